@@ -1,0 +1,31 @@
+"""The logical half of the KV cache: request rows, slot pages and the radix prefix cache.
+
+Pure Python and numpy: no torch, no ray. The physical K/V tensors live in ``raydix.workers``.
+"""
+
+from .allocator import PagedSlotAllocator
+from .base import CachedPrefix, MatchResult, PrefixCache, PrefixHandle, SizeInfo
+from .events import CacheEvent, EventBuffer, EventKind, EventSink
+from .manager import CacheConfig, KVCacheManager
+from .naive import NoPrefixCache
+from .radix import RadixCache, TreeNode
+from .req_table import ReqToTokenPool
+
+__all__ = [
+    "CacheConfig",
+    "CacheEvent",
+    "CachedPrefix",
+    "EventBuffer",
+    "EventKind",
+    "EventSink",
+    "KVCacheManager",
+    "MatchResult",
+    "NoPrefixCache",
+    "PagedSlotAllocator",
+    "PrefixCache",
+    "PrefixHandle",
+    "RadixCache",
+    "ReqToTokenPool",
+    "SizeInfo",
+    "TreeNode",
+]

@@ -1,0 +1,396 @@
+"""The radix prefix cache: a radix tree over token ids whose edges are whole pages.
+
+Each node holds a run of tokens (``key``, kept as int32 bytes so that comparing runs is a
+``memcmp``) and the slots of their K/V (``value``). Children are keyed by their first page.
+
+Sizes, kept exact at every step:
+
+    evictable_size = tokens in nodes with lock_ref == 0   (no running request uses them)
+    protected_size = tokens in nodes with lock_ref  > 0   (some locked handle's path)
+
+``lock_ref`` of a node is the number of locked handles whose path passes through it, so
+``lock_ref(parent) >= lock_ref(child)``: an unlocked node has only unlocked descendants, and
+eviction of leaves can reach every evictable token.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Hashable, Iterable, Iterator
+
+import numpy as np
+import numpy.typing as npt
+
+from .base import CachedPrefix, MatchResult, PrefixCache, PrefixHandle, SizeInfo, TokenArray
+from .events import CacheEvent, EventKind, EventSink
+from .req_table import SlotArray
+
+_ITEM = 4  # bytes per int32 token id
+_EMPTY = np.zeros(0, dtype=np.int32)
+
+
+class TreeNode:
+    __slots__ = ("children", "detached", "id", "key", "last_access", "lock_ref", "parent", "value")
+
+    def __init__(
+        self, key: bytes, value: SlotArray, parent: TreeNode | None, tick: int, node_id: int
+    ) -> None:
+        self.key = key
+        self.value = value
+        self.parent = parent
+        self.children: dict[bytes, TreeNode] = {}
+        self.lock_ref = 0
+        self.last_access = tick
+        self.detached = False
+        self.id = node_id
+
+    def __repr__(self) -> str:
+        return f"TreeNode(id={self.id}, len={len(self.value)}, lock_ref={self.lock_ref})"
+
+
+def as_token_array(token_ids: npt.ArrayLike) -> TokenArray:
+    """Token ids as a one-dimensional int32 array (no copy when they already are one)."""
+    key = np.asarray(token_ids, dtype=np.int32)
+    if key.ndim != 1:
+        raise ValueError(f"token ids must be one-dimensional, got shape {key.shape}")
+    return key
+
+
+class RadixCache(PrefixCache):
+    """SGLang-style radix cache with page-aligned keys, LRU eviction and change events."""
+
+    def __init__(
+        self,
+        page_size: int = 1,
+        max_context_len: int | None = None,
+        event_sink: EventSink | None = None,
+    ) -> None:
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        self.page_size = page_size
+        self.max_context_len = max_context_len
+        self._event_sink = event_sink
+        self._page_bytes = page_size * _ITEM
+        self._ids = itertools.count()
+        self._event_seq = itertools.count()
+        self._tick = 0
+        self.reset()
+
+    @property
+    def enabled(self) -> bool:
+        return True
+
+    def reset(self) -> None:
+        self._roots: dict[Hashable, TreeNode] = {}
+        self._evictable_leaves: set[TreeNode] = set()
+        self._evictable_size = 0
+        self._protected_size = 0
+        self._emit(EventKind.CLEARED, None, _EMPTY, 0)
+
+    @property
+    def size_info(self) -> SizeInfo:
+        return SizeInfo(self._evictable_size, self._protected_size)
+
+    @property
+    def evictable_size(self) -> int:
+        return self._evictable_size
+
+    @property
+    def protected_size(self) -> int:
+        return self._protected_size
+
+    # ------------------------------------------------------------------------------ match
+    def match_prefix(self, token_ids: npt.ArrayLike, extra_key: Hashable = None) -> MatchResult:
+        key = as_token_array(token_ids)
+        root = self._roots.get(extra_key)
+        if root is None:
+            return MatchResult(_EMPTY, PrefixHandle(0, self._root(extra_key)))
+        node, matched, values = self._walk(root, key, collect=True)
+        if not values:
+            slots = _EMPTY
+        elif len(values) == 1:
+            slots = values[0]
+        else:
+            slots = np.concatenate(values)
+        return MatchResult(slots, PrefixHandle(matched, node))
+
+    def _walk(
+        self, node: TreeNode, key: TokenArray, collect: bool
+    ) -> tuple[TreeNode, int, list[SlotArray]]:
+        """Follow ``key`` down from ``node``; split where the match ends inside a node.
+
+        Returns the last matched node, the matched length, and (if ``collect``) the values.
+        """
+        page_bytes = self._page_bytes
+        num_bytes = len(key) // self.page_size * page_bytes
+        data = key[: num_bytes // _ITEM].tobytes()
+        self._tick += 1
+        tick = self._tick
+        node.last_access = tick
+        values: list[SlotArray] = []
+        pos = 0
+        children = node.children
+        while pos < num_bytes:
+            child = children.get(data[pos : pos + page_bytes])
+            if child is None:
+                break
+            child_key = child.key
+            end = pos + len(child_key)
+            if data[pos:end] == child_key:
+                child.last_access = tick
+                if collect:
+                    values.append(child.value)
+                node = child
+                children = child.children
+                pos = end
+                continue
+            split_len = self._match_len(child_key, data, pos)
+            node = self._split(child, split_len)
+            node.last_access = tick
+            if collect:
+                values.append(node.value)
+            pos += split_len * _ITEM
+            break
+        return node, pos // _ITEM, values
+
+    def _match_len(self, child_key: bytes, data: bytes, pos: int) -> int:
+        """Matched tokens between ``child_key`` and ``data[pos:]``, rounded down to pages."""
+        num = min(len(child_key), len(data) - pos) // _ITEM
+        ours = np.frombuffer(child_key, dtype=np.int32, count=num)
+        theirs = np.frombuffer(data, dtype=np.int32, count=num, offset=pos)
+        differ = ours != theirs
+        first = int(differ.argmax()) if differ.any() else num
+        return first // self.page_size * self.page_size
+
+    def _split(self, child: TreeNode, split_len: int) -> TreeNode:
+        """``parent -> child`` becomes ``parent -> upper -> child``; returns ``upper``."""
+        parent = child.parent
+        if parent is None:  # pragma: no cover - roots are never split
+            raise RuntimeError("cannot split a root")
+        cut = split_len * _ITEM
+        upper = TreeNode(
+            child.key[:cut], child.value[:split_len], parent, child.last_access, next(self._ids)
+        )
+        upper.lock_ref = child.lock_ref
+        child.key = child.key[cut:]
+        child.value = child.value[split_len:]
+        child.parent = upper
+        upper.children[child.key[: self._page_bytes]] = child
+        parent.children[upper.key[: self._page_bytes]] = upper
+        return upper
+
+    # ----------------------------------------------------------------------------- insert
+    def insert(
+        self, token_ids: npt.ArrayLike, slots: npt.ArrayLike, extra_key: Hashable = None
+    ) -> int:
+        key = as_token_array(token_ids)
+        values = np.asarray(slots)
+        if values.ndim != 1 or len(values) != len(key):
+            raise ValueError(
+                f"key and value lengths differ: {len(key)} token ids, {values.size} slots"
+            )
+        if len(key) % self.page_size:
+            raise ValueError(
+                f"key length {len(key)} is not a multiple of page_size {self.page_size}"
+            )
+        if self.max_context_len is not None and len(key) > self.max_context_len:
+            raise ValueError(
+                f"key of {len(key)} tokens is longer than max_context_len {self.max_context_len}"
+            )
+        if len(key) == 0:
+            return 0
+        root = self._root(extra_key)
+        node, present, _ = self._walk(root, key, collect=False)
+        if present < len(key):
+            was_evictable_leaf = node in self._evictable_leaves
+            leaf = TreeNode(
+                key[present:].tobytes(),
+                np.array(values[present:], dtype=np.int32),
+                node,
+                self._tick,
+                next(self._ids),
+            )
+            node.children[leaf.key[: self._page_bytes]] = leaf
+            if was_evictable_leaf:
+                self._evictable_leaves.discard(node)
+            self._evictable_leaves.add(leaf)
+            self._evictable_size += len(leaf.value)
+            if self._event_sink is not None:
+                self._emit(EventKind.INSERTED, extra_key, key.copy(), len(key) - present)
+        return present
+
+    # ------------------------------------------------------------------------------- lock
+    def lock(self, handle: PrefixHandle) -> None:
+        if handle.locked:
+            raise RuntimeError(f"{handle} is already locked")
+        node = self._live_node(handle)
+        while node.parent is not None:
+            if node.lock_ref == 0:
+                num = len(node.value)
+                self._evictable_size -= num
+                self._protected_size += num
+                if not node.children:
+                    self._evictable_leaves.discard(node)
+            node.lock_ref += 1
+            node = node.parent
+        handle.locked = True
+
+    def unlock(self, handle: PrefixHandle) -> None:
+        if not handle.locked:
+            raise RuntimeError(f"cannot unlock {handle}: it is not locked")
+        node = self._live_node(handle)
+        while node.parent is not None:
+            if node.lock_ref == 1:
+                num = len(node.value)
+                self._evictable_size += num
+                self._protected_size -= num
+                if not node.children:
+                    self._evictable_leaves.add(node)
+            node.lock_ref -= 1
+            node = node.parent
+        handle.locked = False
+
+    def _live_node(self, handle: PrefixHandle) -> TreeNode:
+        node = handle.node
+        if not isinstance(node, TreeNode):
+            raise TypeError(f"{handle} does not belong to a radix cache")
+        if node.detached:
+            raise RuntimeError(f"{handle} is stale: its prefix was evicted; match again")
+        return node
+
+    # ------------------------------------------------------------------------------ evict
+    def evict(self, num_tokens: int) -> SlotArray:
+        if num_tokens < 0:
+            raise ValueError(f"cannot evict a negative number of tokens ({num_tokens})")
+        if num_tokens == 0 or not self._evictable_leaves:
+            return _EMPTY.copy()
+        heap = [(leaf.last_access, leaf.id, leaf) for leaf in self._evictable_leaves]
+        heapq.heapify(heap)
+        freed: list[SlotArray] = []
+        num_evicted = 0
+        while num_evicted < num_tokens and heap:
+            _, _, leaf = heapq.heappop(heap)
+            parent = leaf.parent
+            assert parent is not None
+            if self._event_sink is not None:
+                self._emit(EventKind.EVICTED, *self._path_of(leaf), len(leaf.value))
+            del parent.children[leaf.key[: self._page_bytes]]
+            leaf.parent = None
+            leaf.detached = True
+            self._evictable_leaves.discard(leaf)
+            self._evictable_size -= len(leaf.value)
+            num_evicted += len(leaf.value)
+            freed.append(leaf.value)
+            if not parent.children and parent.parent is not None and parent.lock_ref == 0:
+                self._evictable_leaves.add(parent)
+                heapq.heappush(heap, (parent.last_access, parent.id, parent))
+        return np.concatenate(freed)
+
+    # ---------------------------------------------------------------------------- helpers
+    def _root(self, extra_key: Hashable) -> TreeNode:
+        root = self._roots.get(extra_key)
+        if root is None:
+            root = TreeNode(b"", _EMPTY, None, self._tick, next(self._ids))
+            self._roots[extra_key] = root
+        return root
+
+    def _path_of(self, node: TreeNode) -> tuple[Hashable, TokenArray]:
+        """The namespace and the whole token path from its root down to ``node``."""
+        parts: list[bytes] = []
+        cur: TreeNode | None = node
+        while cur is not None and cur.parent is not None:
+            parts.append(cur.key)
+            cur = cur.parent
+        extra_key = next(k for k, root in self._roots.items() if root is cur)
+        return extra_key, np.frombuffer(b"".join(reversed(parts)), dtype=np.int32).copy()
+
+    def _emit(
+        self, kind: EventKind, extra_key: Hashable, token_ids: TokenArray, num_tokens: int
+    ) -> None:
+        if self._event_sink is not None:
+            self._event_sink(
+                CacheEvent(next(self._event_seq), kind, extra_key, token_ids, num_tokens)
+            )
+
+    # ----------------------------------------------------------------------- inspection
+    def iter_prefixes(self) -> Iterator[CachedPrefix]:
+        for extra_key, root in self._roots.items():
+            stack: list[tuple[TreeNode, bytes]] = [(root, b"")]
+            while stack:
+                node, above = stack.pop()
+                for child in node.children.values():
+                    yield CachedPrefix(
+                        extra_key,
+                        np.frombuffer(above, dtype=np.int32),
+                        np.frombuffer(child.key, dtype=np.int32),
+                        child.value,
+                    )
+                    stack.append((child, above + child.key))
+
+    def iter_nodes(self) -> Iterator[TreeNode]:
+        for root in self._roots.values():
+            stack = list(root.children.values())
+            while stack:
+                node = stack.pop()
+                yield node
+                stack.extend(node.children.values())
+
+    def slots_of(self, handle: PrefixHandle) -> SlotArray:
+        node = self._live_node(handle)
+        parts: list[SlotArray] = []
+        while node.parent is not None:
+            parts.append(node.value)
+            node = node.parent
+        return np.concatenate(parts[::-1]) if parts else _EMPTY.copy()
+
+    def check_integrity(self, locked_handles: Iterable[PrefixHandle] | None = None) -> None:
+        if locked_handles is not None:
+            self._check_locks(locked_handles)
+        evictable = protected = 0
+        leaves: set[TreeNode] = set()
+        for node in self.iter_nodes():
+            parent = node.parent
+            if parent is None or node.detached:
+                raise RuntimeError(f"{node} is in the tree but detached")
+            if parent.children.get(node.key[: self._page_bytes]) is not node:
+                raise RuntimeError(f"{node} is not under its first page in its parent")
+            if len(node.key) != len(node.value) * _ITEM or len(node.value) == 0:
+                raise RuntimeError(f"{node} has key and value of different lengths")
+            if len(node.value) % self.page_size:
+                raise RuntimeError(f"{node} is not a whole number of pages")
+            child_locks = sum(c.lock_ref for c in node.children.values())
+            if node.lock_ref < child_locks:
+                raise RuntimeError(f"{node} has fewer locks than its children")
+            if parent.parent is not None and parent.lock_ref < node.lock_ref:
+                raise RuntimeError(f"{node} has more locks than its parent")
+            if node.lock_ref:
+                protected += len(node.value)
+            else:
+                evictable += len(node.value)
+                if not node.children:
+                    leaves.add(node)
+        if (evictable, protected) != (self._evictable_size, self._protected_size):
+            raise RuntimeError(
+                f"size counters (evictable={self._evictable_size}, "
+                f"protected={self._protected_size}) differ from the tree "
+                f"(evictable={evictable}, protected={protected})"
+            )
+        if leaves != self._evictable_leaves:
+            raise RuntimeError("the evictable-leaf set differs from the tree")
+
+    def _check_locks(self, locked_handles: Iterable[PrefixHandle]) -> None:
+        expected: dict[int, int] = {}
+        for handle in locked_handles:
+            if not handle.locked:
+                raise RuntimeError(f"{handle} is listed as locked but is not")
+            node: TreeNode | None = self._live_node(handle)
+            while node is not None and node.parent is not None:
+                expected[node.id] = expected.get(node.id, 0) + 1
+                node = node.parent
+        for node in self.iter_nodes():
+            if node.lock_ref != expected.get(node.id, 0):
+                raise RuntimeError(
+                    f"{node} has lock_ref {node.lock_ref}, but "
+                    f"{expected.get(node.id, 0)} locked handles pass through it"
+                )

@@ -1,0 +1,1 @@
+"""Config, Ray Serve application, OpenAI-compatible ingress and CLI."""

@@ -1,0 +1,1 @@
+"""Cache-aware routing across replicas with a global radix tree."""

@@ -1,0 +1,1 @@
+"""Per-GPU model worker: model shards, KV pool tensors, attention backends, sampler."""

@@ -1,0 +1,58 @@
+"""The physical KV pool of one rank: K and V of this rank's KV heads, indexed by slot.
+
+Slot layout (shared with the engine's allocator):
+
+    slots 0 .. page_size-1        page 0, padding: padded batch entries write here, never read
+    slots p*page_size .. +page_size-1   page p, for p in 1 .. num_pages
+
+so each layer holds `(num_pages + 1) * page_size` slots.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class KVPoolConfig:
+    num_pages: int
+    page_size: int
+    num_layers: int
+    num_kv_heads: int  # heads on this rank
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def num_slots(self) -> int:
+        return (self.num_pages + 1) * self.page_size
+
+    @property
+    def max_num_tokens(self) -> int:
+        """Usable slots (padding page excluded)."""
+        return self.num_pages * self.page_size
+
+
+class KVPool:
+    """`k_buffers[layer]` / `v_buffers[layer]`: `[num_slots, num_kv_heads, head_dim]`."""
+
+    def __init__(self, config: KVPoolConfig, device: torch.device | str) -> None:
+        if config.num_pages < 1:
+            raise ValueError(f"the KV pool needs at least one page, got {config.num_pages}")
+        self.config = config
+        shape = (config.num_slots, config.num_kv_heads, config.head_dim)
+        self.k_buffers = [torch.zeros(shape, dtype=config.dtype, device=device)
+                          for _ in range(config.num_layers)]
+        self.v_buffers = [torch.zeros(shape, dtype=config.dtype, device=device)
+                          for _ in range(config.num_layers)]
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k_buffers + self.v_buffers)
+
+    def set_kv(self, layer_id: int, out_cache_loc: torch.Tensor, k: torch.Tensor,
+               v: torch.Tensor) -> None:
+        """Write the new tokens' K/V ([T, heads, head_dim]) at slots `out_cache_loc` ([T])."""
+        self.k_buffers[layer_id][out_cache_loc] = k.to(self.config.dtype)
+        self.v_buffers[layer_id][out_cache_loc] = v.to(self.config.dtype)
