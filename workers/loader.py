@@ -1,7 +1,7 @@
 """Build the model on the meta device, then fill each rank's shard from safetensors.
 
-Each parameter carries a `weight_loader(param, CheckpointTensor, shard_id)` that reads only the
-slice this rank owns (`safe_open(...).get_slice`), so a rank never holds the full checkpoint.
+Each layer that owns parameters has a `weight_loader(param, CheckpointTensor, shard_id)` that
+reads only the slice this rank owns (`safe_open(...).get_slice`), so a rank never holds the full checkpoint.
 """
 
 from __future__ import annotations
@@ -50,8 +50,8 @@ def load_model(folder: str | Path, config: ModelConfig, group: TPGroup, dtype: t
                     if param_name not in params:
                         raise ValueError(f"checkpoint tensor {name!r} ({path.name}) has no "
                                          f"matching parameter {param_name!r} in the model")
-                    param = params[param_name]
-                    param.weight_loader(param, source, shard_id)  # type: ignore[attr-defined]
+                    module = model.get_submodule(param_name.rpartition(".")[0])
+                    module.weight_loader(params[param_name], source, shard_id)
                     loaded.add(f"{param_name}/{shard_id}")
     _check_complete(model, loaded)
     return model.eval()

@@ -28,7 +28,6 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start = group.tp_rank * per_rank
         self.vocab_end = self.vocab_start + per_rank
         self.weight = nn.Parameter(torch.empty(per_rank, hidden_size), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
 
     def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor,
                       shard_id: str | int | None = None) -> None:

@@ -26,11 +26,9 @@ class ColumnParallelLinear(nn.Module):
             out_shard = (start, end - start)
         self.out_start, self.out_size = out_shard
         self.weight = nn.Parameter(torch.empty(self.out_size, in_features), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         self.bias: nn.Parameter | None = None
         if bias:
             self.bias = nn.Parameter(torch.empty(self.out_size), requires_grad=False)
-            self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
 
     def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor,
                       shard_id: str | int | None = None) -> None:
@@ -109,19 +107,16 @@ class RowParallelLinear(nn.Module):
         self.in_start, self.in_size = in_shard
         self.group = group
         self.weight = nn.Parameter(torch.empty(out_features, self.in_size), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         self.bias: nn.Parameter | None = None
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
-            self.bias.weight_loader = self._bias_loader  # type: ignore[attr-defined]
 
     def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor,
                       shard_id: str | int | None = None) -> None:
-        copy_checked(param, loaded.narrow(1, self.in_start, self.in_size))
-
-    def _bias_loader(self, param: nn.Parameter, loaded: CheckpointTensor,
-                     shard_id: str | int | None = None) -> None:
-        copy_checked(param, loaded.read())
+        if param is self.bias:  # added once, after the all-reduce: every rank keeps all of it
+            copy_checked(param, loaded.read())
+        else:
+            copy_checked(param, loaded.narrow(1, self.in_start, self.in_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight)

@@ -1,0 +1,167 @@
+"""The per-rank model runner: model shard, KV pool, request->token table, backend, sampler."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from .attention import AttentionBackend, ForwardBatch, make_backend
+from .config import ModelConfig, WorkerConfig
+from .kv_pool import KVPool, KVPoolConfig
+from .loader import load_model
+from .parallel import SINGLE_RANK, TPGroup, all_gather_ints, all_reduce_min, head_shard
+from .pool_sizing import kv_cell_size, profile_max_num_tokens
+from .sampler import Sampler
+from .step import StepPlan, StepResult
+
+logger = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    """Runs `StepPlan`s on one rank. Every rank of a replica runs every plan (SPMD); rank 0
+    samples and returns the `StepResult`, the others return None."""
+
+    def __init__(self, config: WorkerConfig, group: TPGroup = SINGLE_RANK) -> None:
+        if (group.tp_rank, group.tp_size) != (config.tp_rank, config.tp_size):
+            raise ValueError(f"group is rank {group.tp_rank} of {group.tp_size} but the config "
+                             f"says rank {config.tp_rank} of {config.tp_size}")
+        if config.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device {config.device!r} asked for, but CUDA is not available")
+        self.config = config
+        self.group = group
+        self.device = torch.device(config.device)
+        self.model_config = ModelConfig.from_folder(config.model_path)
+        mc = self.model_config
+        dtype = config.torch_dtype
+        self.model = load_model(config.model_path, mc, group, dtype, self.device)
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+        heads = head_shard(mc.num_heads, mc.num_kv_heads, config.tp_rank, config.tp_size)
+        # every rank holds the same number of tokens; the rank with the most KV heads sets the cell
+        max_kv_heads = max(head_shard(mc.num_heads, mc.num_kv_heads, r, config.tp_size)
+                           .num_kv_heads for r in range(config.tp_size))
+        cell = kv_cell_size(max_kv_heads, mc.head_dim, mc.num_layers, dtype.itemsize)
+        free, total = self._memory_reading()
+        num_tokens = profile_max_num_tokens(
+            all_gather_ints(free, group), all_reduce_min(total, group),
+            config.mem_fraction_static, cell, config.page_size, config.max_total_tokens)
+        self.kv_pool = KVPool(KVPoolConfig(num_tokens // config.page_size, config.page_size,
+                                           mc.num_layers, heads.num_kv_heads, mc.head_dim, dtype),
+                              self.device)
+        self.req_to_token = torch.zeros(config.max_running_requests, config.max_context_len,
+                                        dtype=torch.int32, device=self.device)
+        self.backend: AttentionBackend = make_backend(
+            config.attention_backend, self.kv_pool, self.req_to_token, heads.num_q_heads,
+            mc.head_dim)
+        self.sampler = Sampler(self.device)
+
+    @property
+    def max_num_tokens(self) -> int:
+        """Usable KV slots; the engine's allocator has `max_num_tokens // page_size` pages."""
+        return self.kv_pool.config.max_num_tokens
+
+    def _memory_reading(self) -> tuple[int, int]:
+        """(free bytes after weights, total bytes) of this rank's device."""
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            return int(free), int(total)
+        budget = self.config.cpu_memory_budget_bytes
+        return budget - self.weight_bytes, budget
+
+    # ---- the step ---------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def step(self, plan: StepPlan) -> StepResult | None:
+        """Apply the plan's table diffs, run the forward, and (rank 0) sample."""
+        if plan.batch_size == 0:
+            self._apply_table_updates(plan)
+            return self._empty_result(plan) if self.config.tp_rank == 0 else None
+        logits = self.forward(plan)
+        if self.config.tp_rank != 0:
+            return None
+        seq_lens = plan.prefix_lens.astype(np.int64) + plan.extend_lens
+        out = self.sampler.sample(logits, plan.sampling, seq_lens)
+        packed = out.token_ids.double()[None]
+        if out.logprobs is not None:
+            packed = torch.cat([packed, out.logprobs.double()[None]])
+        host = packed.cpu().numpy()  # the step's one device->host copy
+        token_ids = host[0].astype(np.int64)
+        logprobs = None
+        if out.logprobs is not None:
+            asked = np.array([p.return_logprob for p in plan.sampling])
+            logprobs = np.where(asked, host[1], np.nan).astype(np.float32)
+        stopped = np.array([int(t) in p.stop_token_ids for t, p in zip(token_ids, plan.sampling,
+                                                                        strict=True)], dtype=bool)
+        return StepResult(plan.step_id, token_ids, logprobs, stopped)
+
+    @torch.inference_mode()
+    def forward(self, plan: StepPlan) -> torch.Tensor:
+        """Logits [B, vocab] of each request's last new token (also used by tests)."""
+        self._apply_table_updates(plan)
+        batch = self._make_batch(plan)
+        self.backend.prepare(batch)
+        hidden = self.model(batch.input_ids, batch.positions, self.backend)
+        last = torch.from_numpy(batch.token_starts + batch.extend_lens - 1).to(self.device)
+        return self.model.compute_logits(hidden[last])
+
+    def _make_batch(self, plan: StepPlan) -> ForwardBatch:
+        prefix = plan.prefix_lens.astype(np.int64)
+        extend = plan.extend_lens.astype(np.int64)
+        starts = np.cumsum(extend) - extend
+        positions = np.arange(int(extend.sum()), dtype=np.int64) + np.repeat(prefix - starts,
+                                                                              extend)
+        dev = self.device
+        return ForwardBatch(
+            row_idx=plan.row_idx.astype(np.int64), prefix_lens=prefix, extend_lens=extend,
+            input_ids=torch.from_numpy(np.asarray(plan.input_ids, dtype=np.int64)).to(dev),
+            positions=torch.from_numpy(positions).to(dev),
+            out_cache_loc=torch.from_numpy(plan.out_cache_loc.astype(np.int64)).to(dev))
+
+    def _apply_table_updates(self, plan: StepPlan) -> None:
+        table = self.req_to_token
+        max_rows, max_len = table.shape
+        num_slots = self.kv_pool.config.num_slots
+        if plan.freed_rows:
+            self._check_rows(plan.freed_rows, max_rows)
+            table[torch.tensor(plan.freed_rows, device=self.device)] = 0
+        for w in plan.table_writes:
+            self._check_rows([w.row_idx], max_rows)
+            if w.start < 0 or w.start + len(w.slot_ids) > max_len:
+                raise ValueError(f"table write [{w.start}, {w.start + len(w.slot_ids)}) of row "
+                                 f"{w.row_idx} is outside max_context_len={max_len}")
+            self._check_slots(w.slot_ids, num_slots)
+            table[w.row_idx, w.start: w.start + len(w.slot_ids)] = torch.from_numpy(
+                np.asarray(w.slot_ids, dtype=np.int32)).to(self.device)
+        if plan.batch_size == 0:
+            return
+        self._check_rows(plan.row_idx, max_rows)
+        seq_lens = plan.prefix_lens.astype(np.int64) + plan.extend_lens
+        if int(seq_lens.max()) > max_len:
+            raise ValueError(f"a request reaches {int(seq_lens.max())} tokens, over "
+                             f"max_context_len={max_len}")
+        self._check_slots(plan.out_cache_loc, num_slots)
+        extend = plan.extend_lens.astype(np.int64)
+        rows = np.repeat(plan.row_idx.astype(np.int64), extend)
+        cols = np.arange(len(rows)) + np.repeat(plan.prefix_lens - (np.cumsum(extend) - extend),
+                                                 extend)
+        table[torch.from_numpy(rows).to(self.device), torch.from_numpy(cols).to(self.device)] = (
+            torch.from_numpy(plan.out_cache_loc.astype(np.int32)).to(self.device))
+
+    @staticmethod
+    def _check_rows(rows: np.ndarray | tuple[int, ...] | list[int], max_rows: int) -> None:
+        arr = np.asarray(rows)
+        if len(arr) and (int(arr.min()) < 0 or int(arr.max()) >= max_rows):
+            raise ValueError(f"request rows {arr.tolist()} must be in [0, {max_rows})")
+
+    @staticmethod
+    def _check_slots(slots: np.ndarray, num_slots: int) -> None:
+        arr = np.asarray(slots)
+        if len(arr) and (int(arr.min()) < 0 or int(arr.max()) >= num_slots):
+            raise ValueError(f"slot ids must be in [0, {num_slots}), got [{int(arr.min())}, "
+                             f"{int(arr.max())}]")
+
+    @staticmethod
+    def _empty_result(plan: StepPlan) -> StepResult:
+        return StepResult(plan.step_id, np.zeros(0, np.int64), None, np.zeros(0, bool))

@@ -1,0 +1,88 @@
+"""Per-request sampling on the device: greedy, temperature, top-k, top-p, min-p, seeds.
+
+No `torch.multinomial`: a sample is `argmax(probs / E)` with E ~ Exponential(1) per vocabulary
+entry (the exponential-race form of the Gumbel trick). A seeded request draws E from a generator
+seeded by (seed, position of the sampled token), so the same seed and prompt give the same tokens
+whatever else is in the batch. Greedy batches take a fast path (one argmax).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from .step import SamplingParams
+
+_SEED_MIX = 0x9E3779B97F4A7C15
+_SEED_MASK = (1 << 63) - 1
+
+
+class SampleOutput(NamedTuple):
+    token_ids: torch.Tensor  # [B] int64, on the device
+    logprobs: torch.Tensor | None  # [B] float32 on the device, None when nobody asked
+
+
+class Sampler:
+    def __init__(self, device: torch.device | str, seed: int = 0) -> None:
+        self.device = torch.device(device)
+        self._generator = torch.Generator(device=self.device).manual_seed(seed)
+
+    def sample(self, logits: torch.Tensor, params: Sequence[SamplingParams],
+               positions: np.ndarray) -> SampleOutput:
+        """logits: [B, V]; `positions[i]` is the position the sampled token will take (the
+        request's seq_len), used to derive seeded noise."""
+        if logits.shape[0] != len(params) or len(positions) != len(params):
+            raise ValueError(f"{logits.shape[0]} logit rows, {len(params)} sampling params and "
+                             f"{len(positions)} positions must agree")
+        logits = logits.float()
+        if all(p.is_greedy for p in params):
+            token_ids = logits.argmax(dim=-1)
+        else:
+            token_ids = self._sample_random(logits, params, positions)
+        logprobs = None
+        if any(p.return_logprob for p in params):
+            logprobs = torch.log_softmax(logits, dim=-1).gather(1, token_ids[:, None]).squeeze(1)
+        return SampleOutput(token_ids, logprobs)
+
+    def _sample_random(self, logits: torch.Tensor, params: Sequence[SamplingParams],
+                       positions: np.ndarray) -> torch.Tensor:
+        dev = self.device
+        temps = torch.tensor([p.temperature if not p.is_greedy else 1.0 for p in params],
+                             dtype=torch.float32, device=dev)
+        probs = torch.softmax(logits / temps[:, None], dim=-1)
+        if any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params):
+            probs = self._filter(probs, params)
+        noise = torch.empty_like(probs).exponential_(generator=self._generator)
+        for i, p in enumerate(params):
+            if p.seed is not None and not p.is_greedy:
+                g = torch.Generator(device=dev).manual_seed(_row_seed(p.seed, int(positions[i])))
+                noise[i].exponential_(generator=g)
+        sampled = (probs / noise).argmax(dim=-1)
+        greedy_rows = [i for i, p in enumerate(params) if p.is_greedy]
+        if greedy_rows:
+            rows = torch.tensor(greedy_rows, device=dev)
+            sampled[rows] = logits[rows].argmax(dim=-1)
+        return sampled
+
+    def _filter(self, probs: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+        """Zero the entries outside each row's top-k, top-p nucleus and min-p floor."""
+        vocab = probs.shape[1]
+        dev = self.device
+        top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=dev)
+        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev)
+        min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev)
+        sorted_p, sorted_idx = probs.sort(dim=-1, descending=True)
+        rank = torch.arange(vocab, device=dev)[None, :]
+        drop = rank >= top_k[:, None]
+        # top-p: keep the smallest prefix whose mass reaches top_p (the first entry always stays)
+        drop |= (sorted_p.cumsum(dim=-1) - sorted_p) >= top_p[:, None]
+        drop |= sorted_p < min_p[:, None] * sorted_p[:, :1]
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+        return torch.zeros_like(probs).scatter_(1, sorted_idx, sorted_p)
+
+
+def _row_seed(seed: int, position: int) -> int:
+    return ((seed * _SEED_MIX) ^ (position * 0x100000001B3)) & _SEED_MASK

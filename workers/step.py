@@ -1,0 +1,166 @@
+"""The step protocol between the engine and the workers.
+
+The engine holds the logical KV state (request rows, slots, radix tree). Each step it sends every
+rank one `StepPlan`, which carries only ids (numpy arrays and ints, never torch tensors) and only
+what changed:
+
+- `table_writes`: slots to copy into the rank's own request->token table, e.g. a new request's
+  cached prefix slots from the radix tree (row, start position, slots);
+- `freed_rows`: rows of finished requests (the rank points them back at the padding slot);
+- the batch itself, packed in request order: row, prefix length and new token ids per request,
+  and the slot (`out_cache_loc`) for each new token. The worker writes these slots into the table
+  at positions prefix_len .. prefix_len + extend_len - 1 before the forward, so the engine does
+  not repeat them in `table_writes`.
+
+Rank 0 (the driving rank) answers with a `StepResult`; the other ranks run the same step and
+return nothing. `broadcast_plan` moves a plan from the driving rank to the others over the CPU
+process group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+import torch.distributed as dist
+
+from .parallel import TPGroup
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling. `temperature == 0` or `top_k == 1` is greedy."""
+
+    temperature: float = 1.0
+    top_k: int = -1  # <= 0: off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None  # same seed + same prompt -> same tokens
+    stop_token_ids: tuple[int, ...] = ()
+    return_logprob: bool = False  # logprob of the chosen token under the raw distribution
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@dataclass(frozen=True)
+class TableWrite:
+    """Write `slot_ids` into request row `row_idx` at positions start .. start + len - 1."""
+
+    row_idx: int
+    start: int
+    slot_ids: np.ndarray  # int32
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    """One request's part of a step, before packing (a convenience for building plans)."""
+
+    row_idx: int
+    prefix_len: int  # tokens of this request already in the pool (cached prefix + earlier chunks)
+    input_ids: Sequence[int]  # the new tokens: a prompt chunk (extend) or one token (decode)
+    out_cache_loc: Sequence[int]  # one slot per new token
+    sampling: SamplingParams = GREEDY
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One forward step for every rank. Arrays are packed in request order.
+
+    Request i has new tokens input_ids[t_i : t_i + extend_lens[i]] where t_i is the sum of the
+    earlier extend_lens; their positions are prefix_lens[i] .. prefix_lens[i] + extend_lens[i] - 1.
+    """
+
+    step_id: int
+    row_idx: np.ndarray  # [B] int32, request rows
+    prefix_lens: np.ndarray  # [B] int32
+    extend_lens: np.ndarray  # [B] int32 (1 for decode)
+    input_ids: np.ndarray  # [T] int64
+    out_cache_loc: np.ndarray  # [T] int32
+    sampling: tuple[SamplingParams, ...]  # [B]
+    table_writes: tuple[TableWrite, ...] = ()
+    freed_rows: tuple[int, ...] = ()
+    shutdown: bool = False  # tells follower ranks to leave their loop
+
+    def __post_init__(self) -> None:
+        num_requests = len(self.row_idx)
+        if len(self.prefix_lens) != num_requests or len(self.extend_lens) != num_requests:
+            raise ValueError("row_idx, prefix_lens and extend_lens must have one entry per request")
+        if len(self.sampling) != num_requests:
+            raise ValueError(f"{len(self.sampling)} sampling params for {num_requests} requests")
+        num_tokens = int(np.sum(self.extend_lens))
+        if len(self.input_ids) != num_tokens or len(self.out_cache_loc) != num_tokens:
+            raise ValueError(f"input_ids ({len(self.input_ids)}) and out_cache_loc "
+                             f"({len(self.out_cache_loc)}) must both have sum(extend_lens) = "
+                             f"{num_tokens} entries")
+        if num_requests and int(np.min(self.extend_lens)) < 1:
+            raise ValueError("every request in a step needs at least one new token")
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.row_idx)
+
+    @classmethod
+    def build(cls, step_id: int, requests: Sequence[ScheduledRequest],
+              table_writes: Sequence[TableWrite] = (),
+              freed_rows: Sequence[int] = ()) -> StepPlan:
+        for r in requests:
+            if len(r.input_ids) != len(r.out_cache_loc):
+                raise ValueError(f"request row {r.row_idx}: {len(r.input_ids)} new tokens but "
+                                 f"{len(r.out_cache_loc)} slots")
+        return cls(
+            step_id=step_id,
+            row_idx=np.array([r.row_idx for r in requests], dtype=np.int32),
+            prefix_lens=np.array([r.prefix_len for r in requests], dtype=np.int32),
+            extend_lens=np.array([len(r.input_ids) for r in requests], dtype=np.int32),
+            input_ids=np.concatenate([np.asarray(r.input_ids, dtype=np.int64) for r in requests])
+            if requests else np.zeros(0, dtype=np.int64),
+            out_cache_loc=np.concatenate(
+                [np.asarray(r.out_cache_loc, dtype=np.int32) for r in requests])
+            if requests else np.zeros(0, dtype=np.int32),
+            sampling=tuple(r.sampling for r in requests),
+            table_writes=tuple(table_writes),
+            freed_rows=tuple(freed_rows),
+        )
+
+    @classmethod
+    def shutdown_plan(cls, step_id: int = -1) -> StepPlan:
+        return cls(step_id, np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros(0, np.int32),
+                   np.zeros(0, np.int64), np.zeros(0, np.int32), (), shutdown=True)
+
+
+class StepResult(NamedTuple):
+    """What the driving rank returns, one entry per request in plan order."""
+
+    step_id: int
+    next_token_ids: np.ndarray  # [B] int64
+    logprobs: np.ndarray | None  # [B] float32, NaN where not asked; None when nobody asked
+    stopped: np.ndarray  # [B] bool: the token is one of the request's stop_token_ids
+
+
+def broadcast_plan(plan: StepPlan | None, group: TPGroup, src: int = 0) -> StepPlan:
+    """Send `plan` from rank `src` to every rank of `group` (over its CPU group); every rank
+    returns the plan. Other ranks pass None."""
+    if group.tp_size == 1:
+        if plan is None:
+            raise ValueError("a single rank must pass its own plan")
+        return plan
+    box: list[StepPlan | None] = [plan if group.tp_rank == src else None]
+    dist.broadcast_object_list(box, src=src, group=group.cpu_group)
+    if box[0] is None:
+        raise RuntimeError(f"rank {src} broadcast no plan")
+    return box[0]
