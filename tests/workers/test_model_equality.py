@@ -1,0 +1,68 @@
+"""Greedy tokens equal transformers' `generate` on the same weights, at TP=1 and TP=2 (gloo).
+
+Every case runs three scenarios (whole prompt, chunked prompts mixed with decodes, prefix reuse
+through the request->token table); see `driver.scenario`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from raydix.workers.config import WorkerConfig
+from raydix.workers.worker import TPWorker
+
+from .conftest import TinyModel
+from .reference import assert_greedy_equal
+from .tp_group import SpawnedTPGroup, TPCase, TPCaseResult, run_case
+
+MAX_NEW_TOKENS = 12
+MODES = ("whole", "chunked", "prefix")
+
+
+def _tp1(case: TPCase) -> tuple[TPCaseResult, TPWorker]:
+    worker = TPWorker(WorkerConfig(case.model_path, dtype="float32", max_running_requests=8,
+                                   max_context_len=case.max_context_len, max_total_tokens=4096))
+    return run_case(worker, case), worker
+
+
+def _tp1_logits(worker: TPWorker):
+    from .tp_group import probe_plan
+
+    return lambda seqs: list(worker.runner.forward(probe_plan(seqs, 1)).float().numpy())
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3"])
+def test_tp1_matches_transformers(tiny_models: dict[str, TinyModel], name: str) -> None:
+    m = tiny_models[name]
+    ref = m.hf.greedy(m.prompts, MAX_NEW_TOKENS)
+    result, worker = _tp1(TPCase(str(m.folder), m.prompts, MAX_NEW_TOKENS, MODES))
+    for mode in MODES:
+        assert_greedy_equal(result.outputs[mode], ref, m.prompts, m.hf, _tp1_logits(worker),
+                            f"{name} tp=1 {mode}")
+    # the logits themselves agree too, not just their argmax
+    seqs = [p + r[:5] for p, r in zip(m.prompts, ref, strict=True)]
+    ours = _tp1_logits(worker)(seqs)
+    for o, t in zip(ours, m.hf.last_logits(seqs), strict=True):
+        np.testing.assert_allclose(o, t, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_tp2_matches_tp1_and_transformers(tiny_models: dict[str, TinyModel],
+                                          tp2_group: SpawnedTPGroup, name: str) -> None:
+    m = tiny_models[name]
+    ref = m.hf.greedy(m.prompts, MAX_NEW_TOKENS)
+    seqs = [p + r[:5] for p, r in zip(m.prompts, ref, strict=True)]
+    case = TPCase(str(m.folder), m.prompts, MAX_NEW_TOKENS, MODES, probes=seqs)
+    tp2 = tp2_group.run(case)
+    tp1, _ = _tp1(case)
+    assert tp2.max_num_tokens == tp1.max_num_tokens == 4096
+    for mode in MODES:
+        assert_greedy_equal(tp2.outputs[mode], ref, m.prompts, m.hf,
+                            lambda s: tp2_group.run(TPCase(str(m.folder), [], 0, (), s))
+                            .probe_logits, f"{name} tp=2 {mode}")
+        assert tp2.outputs[mode] == tp1.outputs[mode]
+    for two, one, hf in zip(tp2.probe_logits, tp1.probe_logits, m.hf.last_logits(seqs),
+                            strict=True):
+        np.testing.assert_allclose(two, one, atol=1e-4, rtol=0)
+        np.testing.assert_allclose(two, hf, atol=1e-4, rtol=0)

@@ -1,0 +1,56 @@
+"""One rank of a replica: joins the TP group, runs plans in SPMD with the other ranks.
+
+Rank 0 drives: `step(plan)` broadcasts the plan over the CPU group, runs it, and returns the
+`StepResult`. Every other rank sits in `follow()`, running each broadcast plan until a shutdown
+plan arrives. The engine calls only rank 0 per step, so there is no per-rank round trip.
+"""
+
+from __future__ import annotations
+
+from .config import WorkerConfig
+from .parallel import TPGroup, init_tp_group
+from .runner import ModelRunner
+from .step import StepPlan, StepResult, broadcast_plan
+
+
+class TPWorker:
+    def __init__(self, config: WorkerConfig, rendezvous: str | None = None,
+                 group: TPGroup | None = None) -> None:
+        """Join the group at `rendezvous` (e.g. "tcp://10.0.0.1:29500"), or use `group`."""
+        if group is None:
+            if config.tp_size > 1 and rendezvous is None:
+                raise ValueError("tp_size > 1 needs a rendezvous address or a group")
+            group = init_tp_group(rendezvous or "", config.tp_rank, config.tp_size,
+                                  config.device)
+        self.group = group
+        self.runner = ModelRunner(config, group)
+
+    @property
+    def max_num_tokens(self) -> int:
+        return self.runner.max_num_tokens
+
+    def step(self, plan: StepPlan) -> StepResult:
+        """Driving rank only: share `plan` with the followers and run it."""
+        if self.group.tp_rank != 0:
+            raise RuntimeError("only rank 0 drives steps; other ranks call follow()")
+        result = self.runner.step(broadcast_plan(plan, self.group))
+        if result is None:
+            raise RuntimeError("rank 0 produced no step result")
+        return result
+
+    def follow(self) -> int:
+        """Non-driving ranks: run broadcast plans until shutdown; returns the steps run."""
+        if self.group.tp_rank == 0:
+            raise RuntimeError("rank 0 drives; it does not follow")
+        num_steps = 0
+        while True:
+            plan = broadcast_plan(None, self.group)
+            if plan.shutdown:
+                return num_steps
+            self.runner.step(plan)
+            num_steps += 1
+
+    def stop_followers(self) -> None:
+        """Driving rank: release the followers from `follow()`."""
+        if self.group.tp_size > 1:
+            broadcast_plan(StepPlan.shutdown_plan(), self.group)
