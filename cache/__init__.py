@@ -8,8 +8,9 @@ from .base import CachedPrefix, MatchResult, PrefixCache, PrefixHandle, SizeInfo
 from .events import CacheEvent, EventBuffer, EventKind, EventSink
 from .manager import CacheConfig, KVCacheManager
 from .naive import NoPrefixCache
-from .radix import RadixCache, TreeNode
+from .radix import RadixCache
 from .req_table import ReqToTokenPool
+from .tree_node import TreeNode
 
 __all__ = [
     "CacheConfig",

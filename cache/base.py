@@ -120,6 +120,10 @@ class PrefixCache(abc.ABC):
         """Every stored run of tokens (for integrity checks and tests)."""
 
     @abc.abstractmethod
+    def tokens_of(self, handle: PrefixHandle) -> TokenArray:
+        """The token ids of the handle's whole path, without touching access times."""
+
+    @abc.abstractmethod
     def slots_of(self, handle: PrefixHandle) -> SlotArray:
         """The slots of the handle's whole path (what ``match_prefix`` returned with it)."""
 

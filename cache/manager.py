@@ -25,8 +25,9 @@ from .base import MatchResult, PrefixCache, PrefixHandle, SizeInfo
 from .events import EventSink
 from .integrity import check_manager
 from .naive import NoPrefixCache
-from .radix import RadixCache, as_token_array
+from .radix import RadixCache
 from .req_table import ReqToTokenPool, SlotArray
+from .tree_node import as_token_array
 
 
 @dataclass(frozen=True)
@@ -257,16 +258,16 @@ class KVCacheManager:
                 f"{len(key)} token ids given for request row {row}, which holds only "
                 f"{state.row_len} slots"
             )
+        cached_len = state.handle.cached_len
+        if (
+            cached_len
+            and len(key) >= cached_len
+            and not np.array_equal(key[:cached_len], self.prefix_cache.tokens_of(state.handle))
+        ):
+            raise ValueError(f"token ids for request row {row} do not start with its cached prefix")
         return key
 
     def _insert(self, row: int, state: _Row, key: npt.NDArray[np.int32]) -> int:
-        cached_len = state.handle.cached_len
-        if cached_len:
-            check = self.prefix_cache.match_prefix(key[:cached_len], state.extra_key)
-            if check.handle.node is not state.handle.node:
-                raise ValueError(
-                    f"token ids for request row {row} do not start with its cached prefix"
-                )
         slots = self.req_to_token.table[row, : len(key)]
         return self.prefix_cache.insert(key, slots, state.extra_key)
 

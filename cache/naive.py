@@ -10,9 +10,9 @@ from collections.abc import Hashable, Iterable, Iterator
 import numpy as np
 import numpy.typing as npt
 
-from .base import CachedPrefix, MatchResult, PrefixCache, PrefixHandle, SizeInfo
-from .radix import as_token_array
+from .base import CachedPrefix, MatchResult, PrefixCache, PrefixHandle, SizeInfo, TokenArray
 from .req_table import SlotArray
+from .tree_node import as_token_array
 
 _EMPTY = np.zeros(0, dtype=np.int32)
 
@@ -68,6 +68,9 @@ class NoPrefixCache(PrefixCache):
 
     def iter_prefixes(self) -> Iterator[CachedPrefix]:
         return iter(())
+
+    def tokens_of(self, handle: PrefixHandle) -> TokenArray:
+        return _EMPTY.copy()
 
     def slots_of(self, handle: PrefixHandle) -> SlotArray:
         return _EMPTY.copy()

@@ -24,37 +24,12 @@ import numpy.typing as npt
 
 from .base import CachedPrefix, MatchResult, PrefixCache, PrefixHandle, SizeInfo, TokenArray
 from .events import CacheEvent, EventKind, EventSink
+from .radix_audit import check_tree
 from .req_table import SlotArray
+from .tree_node import TreeNode, as_token_array
 
 _ITEM = 4  # bytes per int32 token id
 _EMPTY = np.zeros(0, dtype=np.int32)
-
-
-class TreeNode:
-    __slots__ = ("children", "detached", "id", "key", "last_access", "lock_ref", "parent", "value")
-
-    def __init__(
-        self, key: bytes, value: SlotArray, parent: TreeNode | None, tick: int, node_id: int
-    ) -> None:
-        self.key = key
-        self.value = value
-        self.parent = parent
-        self.children: dict[bytes, TreeNode] = {}
-        self.lock_ref = 0
-        self.last_access = tick
-        self.detached = False
-        self.id = node_id
-
-    def __repr__(self) -> str:
-        return f"TreeNode(id={self.id}, len={len(self.value)}, lock_ref={self.lock_ref})"
-
-
-def as_token_array(token_ids: npt.ArrayLike) -> TokenArray:
-    """Token ids as a one-dimensional int32 array (no copy when they already are one)."""
-    key = np.asarray(token_ids, dtype=np.int32)
-    if key.ndim != 1:
-        raise ValueError(f"token ids must be one-dimensional, got shape {key.shape}")
-    return key
 
 
 class RadixCache(PrefixCache):
@@ -99,6 +74,10 @@ class RadixCache(PrefixCache):
     @property
     def protected_size(self) -> int:
         return self._protected_size
+
+    @property
+    def evictable_leaves(self) -> frozenset[TreeNode]:
+        return frozenset(self._evictable_leaves)
 
     # ------------------------------------------------------------------------------ match
     def match_prefix(self, token_ids: npt.ArrayLike, extra_key: Hashable = None) -> MatchResult:
@@ -336,6 +315,9 @@ class RadixCache(PrefixCache):
                 yield node
                 stack.extend(node.children.values())
 
+    def tokens_of(self, handle: PrefixHandle) -> TokenArray:
+        return self._path_of(self._live_node(handle))[1]
+
     def slots_of(self, handle: PrefixHandle) -> SlotArray:
         node = self._live_node(handle)
         parts: list[SlotArray] = []
@@ -345,52 +327,4 @@ class RadixCache(PrefixCache):
         return np.concatenate(parts[::-1]) if parts else _EMPTY.copy()
 
     def check_integrity(self, locked_handles: Iterable[PrefixHandle] | None = None) -> None:
-        if locked_handles is not None:
-            self._check_locks(locked_handles)
-        evictable = protected = 0
-        leaves: set[TreeNode] = set()
-        for node in self.iter_nodes():
-            parent = node.parent
-            if parent is None or node.detached:
-                raise RuntimeError(f"{node} is in the tree but detached")
-            if parent.children.get(node.key[: self._page_bytes]) is not node:
-                raise RuntimeError(f"{node} is not under its first page in its parent")
-            if len(node.key) != len(node.value) * _ITEM or len(node.value) == 0:
-                raise RuntimeError(f"{node} has key and value of different lengths")
-            if len(node.value) % self.page_size:
-                raise RuntimeError(f"{node} is not a whole number of pages")
-            child_locks = sum(c.lock_ref for c in node.children.values())
-            if node.lock_ref < child_locks:
-                raise RuntimeError(f"{node} has fewer locks than its children")
-            if parent.parent is not None and parent.lock_ref < node.lock_ref:
-                raise RuntimeError(f"{node} has more locks than its parent")
-            if node.lock_ref:
-                protected += len(node.value)
-            else:
-                evictable += len(node.value)
-                if not node.children:
-                    leaves.add(node)
-        if (evictable, protected) != (self._evictable_size, self._protected_size):
-            raise RuntimeError(
-                f"size counters (evictable={self._evictable_size}, "
-                f"protected={self._protected_size}) differ from the tree "
-                f"(evictable={evictable}, protected={protected})"
-            )
-        if leaves != self._evictable_leaves:
-            raise RuntimeError("the evictable-leaf set differs from the tree")
-
-    def _check_locks(self, locked_handles: Iterable[PrefixHandle]) -> None:
-        expected: dict[int, int] = {}
-        for handle in locked_handles:
-            if not handle.locked:
-                raise RuntimeError(f"{handle} is listed as locked but is not")
-            node: TreeNode | None = self._live_node(handle)
-            while node is not None and node.parent is not None:
-                expected[node.id] = expected.get(node.id, 0) + 1
-                node = node.parent
-        for node in self.iter_nodes():
-            if node.lock_ref != expected.get(node.id, 0):
-                raise RuntimeError(
-                    f"{node} has lock_ref {node.lock_ref}, but "
-                    f"{expected.get(node.id, 0)} locked handles pass through it"
-                )
+        check_tree(self, locked_handles)

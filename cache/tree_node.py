@@ -1,0 +1,36 @@
+"""A node of the radix tree, and the one conversion of token ids that every key goes through."""
+
+from __future__ import annotations
+
+import numpy as np
+import numpy.typing as npt
+
+from .base import TokenArray
+from .req_table import SlotArray
+
+
+class TreeNode:
+    __slots__ = ("children", "detached", "id", "key", "last_access", "lock_ref", "parent", "value")
+
+    def __init__(
+        self, key: bytes, value: SlotArray, parent: TreeNode | None, tick: int, node_id: int
+    ) -> None:
+        self.key = key
+        self.value = value
+        self.parent = parent
+        self.children: dict[bytes, TreeNode] = {}
+        self.lock_ref = 0
+        self.last_access = tick
+        self.detached = False
+        self.id = node_id
+
+    def __repr__(self) -> str:
+        return f"TreeNode(id={self.id}, len={len(self.value)}, lock_ref={self.lock_ref})"
+
+
+def as_token_array(token_ids: npt.ArrayLike) -> TokenArray:
+    """Token ids as a one-dimensional int32 array (no copy when they already are one)."""
+    key = np.asarray(token_ids, dtype=np.int32)
+    if key.ndim != 1:
+        raise ValueError(f"token ids must be one-dimensional, got shape {key.shape}")
+    return key
