@@ -17,6 +17,9 @@ NEAR_TIE = 1e-3  # a top-2 gap this small may flip the argmax between implementa
 class HFReference:
     def __init__(self, folder: str | Path) -> None:
         self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        # our driver never stops early, so neither may the reference (min_new_tokens would
+        # instead mask the EOS logit, which changes the argmax)
+        self.model.generation_config.eos_token_id = None
 
     @torch.inference_mode()
     def greedy(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
@@ -24,8 +27,8 @@ class HFReference:
         for p in prompts:
             ids = torch.tensor([p])
             out = self.model.generate(ids, attention_mask=torch.ones_like(ids),
-                                      max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
-                                      do_sample=False, pad_token_id=0)
+                                      max_new_tokens=max_new_tokens, do_sample=False,
+                                      pad_token_id=0)
             outs.append(out[0, len(p):].tolist())
         return outs
 
