@@ -103,7 +103,7 @@ class RadixCache(PrefixCache):
         """
         page_bytes = self._page_bytes
         num_bytes = len(key) // self.page_size * page_bytes
-        data = key[: num_bytes // _ITEM].tobytes()
+        data = key.tobytes()  # the unaligned tail is never compared: keys are whole pages
         self._tick += 1
         tick = self._tick
         node.last_access = tick
@@ -115,16 +115,15 @@ class RadixCache(PrefixCache):
             if child is None:
                 break
             child_key = child.key
-            end = pos + len(child_key)
-            if data[pos:end] == child_key:
+            if data.startswith(child_key, pos):  # memcmp, no copy
                 child.last_access = tick
                 if collect:
                     values.append(child.value)
                 node = child
                 children = child.children
-                pos = end
+                pos += len(child_key)
                 continue
-            split_len = self._match_len(child_key, data, pos)
+            split_len = self._match_len(child_key, data, pos, num_bytes)
             node = self._split(child, split_len)
             node.last_access = tick
             if collect:
@@ -133,9 +132,9 @@ class RadixCache(PrefixCache):
             break
         return node, pos // _ITEM, values
 
-    def _match_len(self, child_key: bytes, data: bytes, pos: int) -> int:
-        """Matched tokens between ``child_key`` and ``data[pos:]``, rounded down to pages."""
-        num = min(len(child_key), len(data) - pos) // _ITEM
+    def _match_len(self, child_key: bytes, data: bytes, pos: int, end: int) -> int:
+        """Matched tokens between ``child_key`` and ``data[pos:end]``, rounded down to pages."""
+        num = min(len(child_key), end - pos) // _ITEM
         ours = np.frombuffer(child_key, dtype=np.int32, count=num)
         theirs = np.frombuffer(data, dtype=np.int32, count=num, offset=pos)
         differ = ours != theirs
