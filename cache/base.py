@@ -120,6 +120,10 @@ class PrefixCache(abc.ABC):
         """Every stored run of tokens (for integrity checks and tests)."""
 
     @abc.abstractmethod
+    def evictable_len(self, handle: PrefixHandle) -> int:
+        """Tokens on the handle's path that are evictable now (what locking it protects)."""
+
+    @abc.abstractmethod
     def tokens_of(self, handle: PrefixHandle) -> TokenArray:
         """The token ids of the handle's whole path, without touching access times."""
 

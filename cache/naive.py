@@ -69,6 +69,9 @@ class NoPrefixCache(PrefixCache):
     def iter_prefixes(self) -> Iterator[CachedPrefix]:
         return iter(())
 
+    def evictable_len(self, handle: PrefixHandle) -> int:
+        return 0
+
     def tokens_of(self, handle: PrefixHandle) -> TokenArray:
         return _EMPTY.copy()
 

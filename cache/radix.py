@@ -314,6 +314,14 @@ class RadixCache(PrefixCache):
                 yield node
                 stack.extend(node.children.values())
 
+    def evictable_len(self, handle: PrefixHandle) -> int:
+        node = self._live_node(handle)
+        total = 0
+        while node.parent is not None and node.lock_ref == 0:
+            total += len(node.value)
+            node = node.parent
+        return total
+
     def tokens_of(self, handle: PrefixHandle) -> TokenArray:
         return self._path_of(self._live_node(handle))[1]
 

@@ -1,0 +1,53 @@
+"""A scheduled step: which requests compute which tokens, and the plan sent to the ranks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from raydix.workers.step import ScheduledRequest, StepPlan, TableWrite
+
+from .request import Request
+
+
+@dataclass
+class ScheduledBatch:
+    """Requests of one step in plan order, with the number of tokens each computes."""
+
+    step_id: int
+    requests: list[Request] = field(default_factory=list)
+    extend_lens: list[int] = field(default_factory=list)
+    slots: list[np.ndarray] = field(default_factory=list)
+
+    def add(self, req: Request, num_tokens: int, slots: np.ndarray) -> None:
+        self.requests.append(req)
+        self.extend_lens.append(num_tokens)
+        self.slots.append(slots)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.extend_lens)
+
+    @property
+    def num_decode(self) -> int:
+        return sum(
+            1
+            for n, req in zip(self.extend_lens, self.requests, strict=True)
+            if n == 1 and req.output_ids
+        )
+
+    def to_plan(self, table_writes: list[TableWrite], freed_rows: list[int]) -> StepPlan:
+        scheduled = []
+        for req, num, slots in zip(self.requests, self.extend_lens, self.slots, strict=True):
+            assert req.row is not None
+            scheduled.append(
+                ScheduledRequest(
+                    row_idx=req.row,
+                    prefix_len=req.kv_len,
+                    input_ids=req.fill_ids[req.kv_len : req.kv_len + num],
+                    out_cache_loc=slots,
+                    sampling=req.params.sampling,
+                )
+            )
+        return StepPlan.build(self.step_id, scheduled, table_writes, freed_rows)

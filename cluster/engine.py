@@ -1,0 +1,129 @@
+"""The engine: one replica's scheduler driving its ranks, step by step.
+
+``step()`` forms a batch, runs it on the executor (one call; the driving rank shares the plan
+with the others over the CPU process group) and turns the sampled tokens into outputs. The
+engine is synchronous; the Serve layer runs it in a loop thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+from raydix.cache import EventSink
+from raydix.workers.config import ModelConfig
+
+from .config import EngineConfig
+from .detokenizer import IncrementalDetokenizer, TokenDecoder
+from .executor import Executor, LocalExecutor
+from .metrics import EngineMetrics
+from .request import GenerationParams, Request, RequestOutput
+from .scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+StepHook = Callable[[Scheduler], None]
+
+
+class Engine:
+    def __init__(
+        self,
+        config: EngineConfig,
+        executor: Executor | None = None,
+        tokenizer: TokenDecoder | None = None,
+        event_sink: EventSink | None = None,
+        eos_token_ids: Sequence[int] | None = None,
+    ) -> None:
+        self.config = config
+        self.executor = executor if executor is not None else LocalExecutor(config)
+        self.tokenizer = tokenizer
+        if eos_token_ids is None:
+            eos_token_ids = ModelConfig.from_folder(config.worker.model_path).eos_token_ids
+        num_pages = self.executor.max_num_tokens // config.scheduler.page_size
+        self.scheduler = Scheduler(config.scheduler, num_pages, eos_token_ids, event_sink)
+        self._rids = itertools.count()
+        self.forward_time = 0.0
+        self.step_hook: StepHook | None = None  # called after every step (tests, metrics)
+        logger.info(
+            "engine ready: %d KV slots in %d pages of %d",
+            num_pages * config.scheduler.page_size,
+            num_pages,
+            config.scheduler.page_size,
+        )
+
+    # -------------------------------------------------------------------------- requests
+    def add_request(
+        self,
+        prompt_ids: Sequence[int] | npt.NDArray[np.int32],
+        params: GenerationParams | None = None,
+        rid: str | None = None,
+    ) -> str:
+        params = params or GenerationParams()
+        rid = rid if rid is not None else f"req-{next(self._rids)}"
+        prompt = np.asarray(prompt_ids, dtype=np.int32)
+        detok = IncrementalDetokenizer(self.tokenizer, prompt.tolist(), params.stop_strings)
+        self.scheduler.add_request(Request(rid, prompt, params, detok))
+        return rid
+
+    def abort(self, rid: str) -> RequestOutput | None:
+        return self.scheduler.abort(rid)
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    # ------------------------------------------------------------------------------ step
+    def step(self) -> list[RequestOutput]:
+        scheduled = self.scheduler.schedule()
+        outputs = self.scheduler.take_early_outputs()
+        if scheduled is None:
+            return outputs
+        batch, plan = scheduled
+        start = time.perf_counter()
+        result = self.executor.step(plan)
+        self.forward_time += time.perf_counter() - start
+        outputs += self.scheduler.process(batch, result)
+        if self.step_hook is not None:
+            self.step_hook(self.scheduler)
+        return outputs
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: GenerationParams | Sequence[GenerationParams] | None = None,
+    ) -> list[list[int]]:
+        """Run prompts to completion (offline); returns each prompt's output token ids."""
+        if params is None or isinstance(params, GenerationParams):
+            params = [params or GenerationParams()] * len(prompts)
+        rids = [self.add_request(p, q) for p, q in zip(prompts, params, strict=True)]
+        tokens: dict[str, list[int]] = {rid: [] for rid in rids}
+        while self.has_work:
+            for out in self.step():
+                if out.rid in tokens:
+                    tokens[out.rid].extend(out.new_token_ids)
+        return [tokens[rid] for rid in rids]
+
+    def metrics(self) -> EngineMetrics:
+        sched = self.scheduler
+        cache = sched.cache
+        used = cache.capacity - cache.available_size()
+        return EngineMetrics(
+            num_running=len(sched.running),
+            num_waiting=len(sched.waiting),
+            token_usage=used / cache.capacity,
+            cache_hit_rate=sched.stats.cache_hit_rate,
+            generation_throughput=sched.stats.throughput(),
+            num_generated_tokens=sched.stats.num_generated_tokens,
+            num_prompt_tokens=sched.stats.num_prompt_tokens,
+            num_cached_tokens=sched.stats.num_cached_tokens,
+            num_retractions=sched.stats.num_retractions,
+            num_finished=sched.stats.num_finished,
+        )
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

@@ -1,0 +1,43 @@
+"""Scheduler counters and the gauges derived from them."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+
+class EngineMetrics(NamedTuple):
+    num_running: int
+    num_waiting: int
+    token_usage: float  # share of the KV pool held by running requests and protected prefixes
+    cache_hit_rate: float  # cached prompt tokens / prompt tokens, over admitted requests
+    generation_throughput: float  # output tokens per second since start
+    num_generated_tokens: int
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_retractions: int
+    num_finished: int
+
+
+@dataclass
+class SchedulerStats:
+    started: float = field(default_factory=time.monotonic)
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_generated_tokens: int = 0
+    num_retractions: int = 0
+    num_finished: int = 0
+    num_steps: int = 0
+
+    def record_admission(self, prompt_len: int, cached_len: int) -> None:
+        self.num_prompt_tokens += prompt_len
+        self.num_cached_tokens += cached_len
+
+    @property
+    def cache_hit_rate(self) -> float:
+        return self.num_cached_tokens / self.num_prompt_tokens if self.num_prompt_tokens else 0.0
+
+    def throughput(self) -> float:
+        elapsed = time.monotonic() - self.started
+        return self.num_generated_tokens / elapsed if elapsed > 0 else 0.0

@@ -1,0 +1,113 @@
+"""A request's state inside the engine, and what the engine reports back per step.
+
+Token layout of a request, as the scheduler sees it::
+
+    fill_ids = prompt_ids + output_ids
+    0                 kv_len                     len(fill_ids)
+    |-- K/V in the pool --|-- still to compute --|
+
+A new request has ``kv_len = cached_len`` (its prefix hit). An extend step computes a chunk of
+``fill_ids[kv_len:]``; once ``kv_len == len(fill_ids) - 1`` is passed the sampled token is
+appended to ``output_ids`` and the request decodes one token per step.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import numpy as np
+import numpy.typing as npt
+
+from raydix.workers.step import GREEDY, SamplingParams
+
+from .detokenizer import IncrementalDetokenizer
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_new_tokens or the context limit
+    ABORT = "abort"  # the client went away or asked to stop
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    """What a client asks of one generation, beyond the prompt."""
+
+    sampling: SamplingParams = GREEDY
+    max_new_tokens: int = 128
+    stop_strings: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    priority: int = 0  # larger runs earlier under the priority policy
+    extra_key: Hashable = None  # prefix-cache namespace
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if any(not s for s in self.stop_strings):
+            raise ValueError("stop strings must not be empty")
+
+
+class Usage(NamedTuple):
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+
+
+class RequestOutput(NamedTuple):
+    """One step's news for one request."""
+
+    rid: str
+    new_token_ids: tuple[int, ...]
+    text: str  # newly decoded text, never a split character
+    finish_reason: FinishReason | None
+    usage: Usage
+    logprobs: tuple[float, ...] = ()
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(eq=False)
+class Request:
+    rid: str
+    prompt_ids: npt.NDArray[np.int32]
+    params: GenerationParams
+    detokenizer: IncrementalDetokenizer
+    arrival: float = field(default_factory=time.monotonic)
+    output_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    row: int | None = None
+    kv_len: int = 0  # tokens of fill_ids whose K/V is in the pool
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)
+    admitted_once: bool = False
+    num_retractions: int = 0
+    finish_reason: FinishReason | None = None
+    first_token_time: float | None = None
+
+    @property
+    def fill_ids(self) -> npt.NDArray[np.int32]:
+        if not self.output_ids:
+            return self.prompt_ids
+        return np.concatenate((self.prompt_ids, np.asarray(self.output_ids, dtype=np.int32)))
+
+    @property
+    def fill_len(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def remaining_new_tokens(self) -> int:
+        return self.params.max_new_tokens - len(self.output_ids)
+
+    def usage(self) -> Usage:
+        return Usage(len(self.prompt_ids), self.cached_tokens, len(self.output_ids))

@@ -1,0 +1,73 @@
+"""Engine fixtures: a tiny random Llama saved as safetensors, and engines over it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from raydix.cluster.config import EngineConfig, SchedulerConfig
+from raydix.cluster.engine import Engine
+from raydix.workers.config import WorkerConfig
+
+VOCAB = 128
+EOS = 1  # kept out of prompts; the engine stops on it unless ignore_eos
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    torch.manual_seed(4321)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        initializer_range=0.3,
+        eos_token_id=EOS,
+        bos_token_id=0,
+        tie_word_embeddings=False,
+    )
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    LlamaForCausalLM(config).save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+EngineFactory = Callable[..., Engine]
+
+
+@pytest.fixture
+def make_engine(tiny_llama: Path) -> EngineFactory:
+    def make(*, max_total_tokens: int = 4096, tp_size: int = 1, **sched: object) -> Engine:
+        defaults: dict[str, object] = dict(max_running_requests=48, max_context_len=512)
+        defaults.update(sched)
+        worker = WorkerConfig(
+            model_path=str(tiny_llama), tp_size=tp_size, max_total_tokens=max_total_tokens
+        )
+        config = EngineConfig.build(worker, SchedulerConfig(**defaults))  # type: ignore[arg-type]
+        engine = Engine(config)
+        engine.step_hook = lambda sched: sched.cache.check_integrity()
+        return engine
+
+    return make
+
+
+def random_prompts(
+    seed: int, groups: int, per_group: int, prefix_len: int, question_len: tuple[int, int]
+) -> list[list[int]]:
+    """Shared-prefix prompts: ``groups`` prefixes, each with ``per_group`` questions."""
+    rng = np.random.default_rng(seed)
+    prompts = []
+    for _ in range(groups):
+        prefix = rng.integers(2, VOCAB, size=prefix_len).tolist()
+        for _ in range(per_group):
+            num = int(rng.integers(question_len[0], question_len[1] + 1))
+            prompts.append(prefix + rng.integers(2, VOCAB, size=num).tolist())
+    order = rng.permutation(len(prompts))
+    return [prompts[i] for i in order]
