@@ -41,3 +41,13 @@ class LocalExecutor:
 
     def shutdown(self) -> None:
         return None
+
+
+def make_executor(config: EngineConfig, startup_timeout_s: float = 120.0) -> Executor:
+    """In-process for one rank; a Ray TP group (one actor per rank) for more."""
+    if config.worker.tp_size == 1:
+        return LocalExecutor(config)
+    from .tp_group import RayTPGroup
+
+    configs = [config.rank_config(r) for r in range(config.worker.tp_size)]
+    return RayTPGroup(configs, startup_timeout_s=startup_timeout_s)
