@@ -60,6 +60,7 @@ class RayTPGroup:
         self._owns_placement_group = placement_group is None
         self._actors: list[ActorHandle] = []
         self._stopped = False
+        self._broken: str | None = None  # why steps can't run any more
         if placement_group is None:
             placement_group = create_replica_placement(self.tp_size, use_gpu, placement_strategy,
                                                        startup_timeout_s)
@@ -114,14 +115,28 @@ class RayTPGroup:
         return num_tokens[0]
 
     def step(self, plan: StepPlan) -> StepResult:
-        """Run one step on every rank: one Ray call to rank 0, which broadcasts the plan."""
+        """Run one step on every rank: one Ray call to rank 0, which broadcasts the plan.
+
+        A plan that fails validation raises its ValueError and leaves the group usable. A step
+        that fails because a rank is gone raises a RuntimeError naming the rank, and every later
+        step fails at once (rather than wait on the missing rank).
+        """
         if self._stopped:
             raise RuntimeError("the TP group is shut down")
+        if self._broken is not None:
+            raise RuntimeError(f"the TP group is broken: {self._broken}")
         try:
             return ray.get(self._actors[0].step.remote(plan))
         except RayActorError as e:
-            raise RuntimeError(f"rank 0 of the replica died during step {plan.step_id}: "
-                               f"{e}") from e
+            self._broken = f"rank 0 died during step {plan.step_id}"
+            raise RuntimeError(f"{self._broken}: {e}") from e
+        except RayError as e:
+            try:
+                self.check_health()
+            except RuntimeError as unhealthy:
+                self._broken = f"step {plan.step_id} failed: {unhealthy}"
+                raise RuntimeError(self._broken) from e
+            raise
 
     def check_health(self) -> None:
         """Raise a RuntimeError naming every rank whose actor died, hangs or failed."""

@@ -9,6 +9,8 @@ health calls still answer while a long call runs:
   these ranks.
 
 `health` reports a follower loop that ended with an error, which Ray alone would not notice.
+A step plan that fails validation fails on every rank alike; the followers then keep following,
+as rank 0 keeps serving (see `_follow`).
 """
 
 from __future__ import annotations
@@ -43,7 +45,6 @@ class WorkerActor:
         self._step_lock = threading.Lock()
         self._follow_thread: threading.Thread | None = None
         self._follow_error: str | None = None
-        self._num_followed_steps = 0
 
     def rendezvous_address(self) -> str:
         """`tcp://node_ip:port` for the group's rendezvous; asked of rank 0 only."""
@@ -71,10 +72,19 @@ class WorkerActor:
         return self._worker.max_num_tokens
 
     def _follow(self) -> None:
-        try:
-            self._num_followed_steps = self._started().follow()
-        except BaseException:
-            self._follow_error = traceback.format_exc()
+        """Follow until the shutdown plan. A plan that fails validation (ValueError, raised
+        before any collective, on every rank alike) fails the step on rank 0 too, which keeps
+        serving; so does the follower. Any other error ends the loop and is kept for `health`."""
+        worker = self._started()
+        while True:
+            try:
+                worker.follow()
+                return
+            except ValueError:
+                continue
+            except BaseException:
+                self._follow_error = traceback.format_exc()
+                return
 
     def step(self, plan: StepPlan) -> StepResult:
         """Rank 0: broadcast `plan` to the followers and run it."""

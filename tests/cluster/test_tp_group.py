@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -23,7 +24,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from raydix.cluster.tp_group import RayTPGroup
 from raydix.workers.config import WorkerConfig
-from raydix.workers.step import StepPlan, StepResult
+from raydix.workers.step import ScheduledRequest, StepPlan, StepResult
 from raydix.workers.worker import TPWorker
 from tests.workers.driver import run_greedy, scenario
 from tests.workers.reference import HFReference
@@ -104,7 +105,13 @@ def test_tp2_on_ray_matches_tp1_in_process_and_transformers(ray_cluster: None,
         assert _free_gpus() == NUM_GPUS - 2
         assert tp2.max_num_tokens == MAX_TOTAL_TOKENS
         assert _greedy(tp2.step) == expected
+        # a plan that fails validation fails on every rank; the group keeps serving
+        bad_row = StepPlan.build(99, [ScheduledRequest(4, 0, [1, 2], [1, 2])])
+        with pytest.raises(ValueError, match=r"request rows \[4\] must be in \[0, 4\)"):
+            tp2.step(bad_row)
         tp2.check_health()
+        with ThreadPoolExecutor(1) as pool:  # a follower that left its loop would hang this
+            assert pool.submit(_greedy, tp2.step).result(timeout=60) == expected
     finally:
         tp2.shutdown()
     assert _wait_for(lambda: _free_gpus() == NUM_GPUS)
@@ -149,6 +156,11 @@ def test_check_health_names_a_killed_rank(ray_cluster: None, llama_folder: Path)
             return False
 
         assert _wait_for(rank1_reported_dead)
+        plan = StepPlan.build(0, [ScheduledRequest(0, 0, PROMPTS[0], range(1, 10))])
+        with pytest.raises(RuntimeError, match=r"step 0 failed: unhealthy rank\(s\) \[1\]"):
+            group.step(plan)
+        with pytest.raises(RuntimeError, match="the TP group is broken"):
+            group.step(plan)
     finally:
         group.shutdown()
     assert _wait_for(lambda: _free_gpus() == NUM_GPUS)
