@@ -77,15 +77,23 @@ class TorchAttentionBackend(AttentionBackend):
         if self._decode is not None:
             d = self._decode
             qd = q[d.token_idx].unsqueeze(2)  # [Bd, Hq, 1, D]
-            kd = k_buf[d.slots].transpose(1, 2).to(q.dtype)  # [Bd, Hk, L, D]
-            vd = v_buf[d.slots].transpose(1, 2).to(q.dtype)
+            kd = _gather(k_buf, d.slots).transpose(1, 2).to(q.dtype)  # [Bd, Hk, L, D]
+            vd = _gather(v_buf, d.slots).transpose(1, 2).to(q.dtype)
             res = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=d.mask, enable_gqa=True)
             out[d.token_idx] = res.squeeze(2)
         for e in self._extends:
             qe = q[e.token_start: e.token_start + e.extend_len].transpose(0, 1)  # [Hq, n, D]
-            ke = k_buf[e.slots].transpose(0, 1).to(q.dtype)  # [Hk, L, D]
-            ve = v_buf[e.slots].transpose(0, 1).to(q.dtype)
-            res = F.scaled_dot_product_attention(qe, ke, ve, attn_mask=e.mask,
-                                                 is_causal=e.mask is None, enable_gqa=True)
-            out[e.token_start: e.token_start + e.extend_len] = res.transpose(0, 1)
+            ke = _gather(k_buf, e.slots).transpose(0, 1).to(q.dtype)  # [Hk, L, D]
+            ve = _gather(v_buf, e.slots).transpose(0, 1).to(q.dtype)
+            if ke.shape[0] != qe.shape[0]:  # expand GQA here: the fused CPU kernels lack it
+                group = qe.shape[0] // ke.shape[0]
+                ke, ve = ke.repeat_interleave(group, 0), ve.repeat_interleave(group, 0)
+            res = F.scaled_dot_product_attention(  # 4-D inputs take the fused CPU kernel
+                qe[None], ke[None], ve[None], attn_mask=e.mask, is_causal=e.mask is None)
+            out[e.token_start: e.token_start + e.extend_len] = res[0].transpose(0, 1)
         return out.view(q.shape[0], -1)
+
+
+def _gather(buf: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """buf[slots] for a [..] slot index tensor, as one index_select over the slot dimension."""
+    return buf.index_select(0, slots.reshape(-1)).view(*slots.shape, *buf.shape[1:])
