@@ -93,8 +93,10 @@ def test_tp2_on_ray_matches_tp1_in_process_and_transformers(ray_cluster: None,
     local = TPWorker(_configs(llama_folder, 1)[0])
     assert _greedy(local.step) == expected
 
-    tp1 = RayTPGroup(_configs(llama_folder, 1), use_gpu=True)
+    tp1 = RayTPGroup(_configs(llama_folder, 1))  # device "cpu": one CPU bundle, no GPU
     try:
+        assert _free_gpus() == NUM_GPUS
+        assert ray.available_resources().get("CPU", 0.0) == 1.0
         assert tp1.max_num_tokens == local.max_num_tokens == MAX_TOTAL_TOKENS
         assert _greedy(tp1.step) == expected
     finally:
@@ -127,6 +129,15 @@ def test_replica_larger_than_cluster_fails_fast_and_cleans_up(ray_cluster: None,
     assert time.monotonic() - start < 10.0
     assert _wait_for(lambda: not _live_placement_groups())
     assert _free_gpus() == NUM_GPUS
+
+
+def test_startup_that_outlasts_its_timeout_fails_and_cleans_up(ray_cluster: None,
+                                                                llama_folder: Path) -> None:
+    # a fresh actor process can't import torch and load a model in 0.3 s
+    with pytest.raises(RuntimeError, match=r"did not start within 0\.3 s"):
+        RayTPGroup(_configs(llama_folder, 2), use_gpu=True, startup_timeout_s=0.3)
+    assert _wait_for(lambda: not _live_placement_groups())
+    assert _wait_for(lambda: _free_gpus() == NUM_GPUS)
 
 
 def test_rank_that_fails_to_start_is_named_and_cleaned_up(ray_cluster: None,
