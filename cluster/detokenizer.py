@@ -3,8 +3,8 @@
 Text is decoded over a short window of recent tokens (``prefix_offset .. read_offset`` is what
 was already shown), so that a multi-byte character split across tokens is only emitted once it
 is whole (the decoder yields U+FFFD until then). Stop strings are matched on the text, not on
-token boundaries; the last ``len(longest stop) - 1`` characters are held back until they can no
-longer begin a stop string, so text past a stop string is never emitted.
+token boundaries; an end of the text that a stop string could still complete is held back, so
+text past a stop string is never emitted.
 """
 
 from __future__ import annotations
@@ -59,11 +59,19 @@ class IncrementalDetokenizer:
             if hit is not None:
                 self.text = self.text[:hit]
                 return self._emit(len(self.text)), True
-        return self._emit(len(self.text) - self._hold), False
+        return self._emit(len(self.text) - self._partial_stop_len()), False
 
     def flush(self) -> str:
         """Everything not yet emitted (call when the request finishes)."""
         return self._emit(len(self.text))
+
+    def _partial_stop_len(self) -> int:
+        """Length of the longest end of the text that a stop string could still complete."""
+        for num in range(min(self._hold, len(self.text)), 0, -1):
+            tail = self.text[-num:]
+            if any(stop.startswith(tail) for stop in self._stop_strings):
+                return num
+        return 0
 
     def _find_stop(self) -> int | None:
         start = max(0, self._emitted - self._hold)

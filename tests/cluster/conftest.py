@@ -71,3 +71,13 @@ def random_prompts(
             prompts.append(prefix + rng.integers(2, VOCAB, size=num).tolist())
     order = rng.permutation(len(prompts))
     return [prompts[i] for i in order]
+
+
+@pytest.fixture(scope="session")
+def smollm2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The default model, converted from its packaged GGUF once per session."""
+    from raydix.workers.gguf_convert import convert_gguf, find_packaged_gguf
+
+    return convert_gguf(
+        find_packaged_gguf(), tmp_path_factory.mktemp("smollm2"), show_progress=False
+    )
