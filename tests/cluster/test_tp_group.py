@@ -47,9 +47,15 @@ def ray_cluster() -> Iterator[None]:
 def llama_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("tiny-llama")
     torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
-                         max_position_embeddings=256)
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        max_position_embeddings=256,
+    )
     LlamaForCausalLM(config).save_pretrained(folder, safe_serialization=True)
     return folder
 
@@ -58,9 +64,19 @@ PROMPTS = [[5, 17, 99, 3, 250, 42, 7, 128, 64], [200, 11, 11, 37, 90]]
 
 
 def _configs(model: Path, tp_size: int) -> list[WorkerConfig]:
-    return [WorkerConfig(str(model), tp_rank=r, tp_size=tp_size, device="cpu", dtype="float32",
-                         max_running_requests=4, max_context_len=64,
-                         max_total_tokens=MAX_TOTAL_TOKENS) for r in range(tp_size)]
+    return [
+        WorkerConfig(
+            str(model),
+            tp_rank=r,
+            tp_size=tp_size,
+            device="cpu",
+            dtype="float32",
+            max_running_requests=4,
+            max_context_len=64,
+            max_total_tokens=MAX_TOTAL_TOKENS,
+        )
+        for r in range(tp_size)
+    ]
 
 
 def _greedy(step: Callable[[StepPlan], StepResult]) -> list[list[int]]:
@@ -83,12 +99,16 @@ def _wait_for(predicate: Callable[[], bool], timeout_s: float = 10.0) -> bool:
 
 
 def _live_placement_groups() -> list[str]:
-    return [pg_id for pg_id, info in ray.util.placement_group_table().items()
-            if info["state"] != "REMOVED"]
+    return [
+        pg_id
+        for pg_id, info in ray.util.placement_group_table().items()
+        if info["state"] != "REMOVED"
+    ]
 
 
-def test_tp2_on_ray_matches_tp1_in_process_and_transformers(ray_cluster: None,
-                                                            llama_folder: Path) -> None:
+def test_tp2_on_ray_matches_tp1_in_process_and_transformers(
+    ray_cluster: None, llama_folder: Path
+) -> None:
     expected = HFReference(llama_folder).greedy(PROMPTS, MAX_NEW_TOKENS)
     local = TPWorker(_configs(llama_folder, 1)[0])
     assert _greedy(local.step) == expected
@@ -119,20 +139,25 @@ def test_tp2_on_ray_matches_tp1_in_process_and_transformers(ray_cluster: None,
     assert _wait_for(lambda: _free_gpus() == NUM_GPUS)
 
 
-def test_replica_larger_than_cluster_fails_fast_and_cleans_up(ray_cluster: None,
-                                                             llama_folder: Path) -> None:
+def test_replica_larger_than_cluster_fails_fast_and_cleans_up(
+    ray_cluster: None, llama_folder: Path
+) -> None:
     start = time.monotonic()
-    with pytest.raises(RuntimeError, match=r"can't be placed: the cluster has 4 GPU\(s\) free, "
-                                           r"a replica needs tp=8 \(STRICT_PACK needs them on "
-                                           r"one node"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"can't be placed: the cluster has 4 GPU\(s\) free, "
+        r"a replica needs tp=8 \(STRICT_PACK needs them on "
+        r"one node",
+    ):
         RayTPGroup(_configs(llama_folder, 8), use_gpu=True, startup_timeout_s=2.0)
     assert time.monotonic() - start < 10.0
     assert _wait_for(lambda: not _live_placement_groups())
     assert _free_gpus() == NUM_GPUS
 
 
-def test_startup_that_outlasts_its_timeout_fails_and_cleans_up(ray_cluster: None,
-                                                                llama_folder: Path) -> None:
+def test_startup_that_outlasts_its_timeout_fails_and_cleans_up(
+    ray_cluster: None, llama_folder: Path
+) -> None:
     # a fresh actor process can't import torch and load a model in 0.3 s
     with pytest.raises(RuntimeError, match=r"did not start within 0\.3 s"):
         RayTPGroup(_configs(llama_folder, 2), use_gpu=True, startup_timeout_s=0.3)
@@ -140,12 +165,16 @@ def test_startup_that_outlasts_its_timeout_fails_and_cleans_up(ray_cluster: None
     assert _wait_for(lambda: _free_gpus() == NUM_GPUS)
 
 
-def test_rank_that_fails_to_start_is_named_and_cleaned_up(ray_cluster: None,
-                                                         tmp_path: Path) -> None:
+def test_rank_that_fails_to_start_is_named_and_cleaned_up(
+    ray_cluster: None, tmp_path: Path
+) -> None:
     (tmp_path / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"]}')
-    with pytest.raises(RuntimeError, match=r"rank \d of the replica failed to start: "
-                                           r"ValueError: architecture 'GPT2LMHeadModel' is not "
-                                           r"supported"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"rank \d of the replica failed to start: "
+        r"ValueError: architecture 'GPT2LMHeadModel' is not "
+        r"supported",
+    ):
         RayTPGroup(_configs(tmp_path, 2), use_gpu=True, startup_timeout_s=60.0)
     assert _wait_for(lambda: not _live_placement_groups())
     assert _wait_for(lambda: _free_gpus() == NUM_GPUS)
@@ -178,13 +207,15 @@ def test_check_health_names_a_killed_rank(ray_cluster: None, llama_folder: Path)
     assert not _live_placement_groups()
 
 
-def test_shutdown_frees_gpus_and_keeps_a_given_placement_group(ray_cluster: None,
-                                                               llama_folder: Path) -> None:
+def test_shutdown_frees_gpus_and_keeps_a_given_placement_group(
+    ray_cluster: None, llama_folder: Path
+) -> None:
     # as Serve lays a replica out: one bundle for the engine, then one GPU bundle per rank
     pg = placement_group([{"CPU": 1}, {"GPU": 1}, {"GPU": 1}], strategy="STRICT_PACK")
     try:
-        group = RayTPGroup(_configs(llama_folder, 2), placement_group=pg, bundle_offset=1,
-                           use_gpu=True)
+        group = RayTPGroup(
+            _configs(llama_folder, 2), placement_group=pg, bundle_offset=1, use_gpu=True
+        )
         assert _free_gpus() == NUM_GPUS - 2
         assert len(_greedy(group.step)[0]) == MAX_NEW_TOKENS
         group.shutdown()
@@ -199,7 +230,8 @@ def test_shutdown_frees_gpus_and_keeps_a_given_placement_group(ray_cluster: None
     too_small = placement_group([{"GPU": 1}] * 2)
     try:
         with pytest.raises(ValueError, match=r"bundles 2\.\.3 are needed for tp=2"):
-            RayTPGroup(_configs(llama_folder, 2), placement_group=too_small, bundle_offset=2,
-                       use_gpu=True)
+            RayTPGroup(
+                _configs(llama_folder, 2), placement_group=too_small, bundle_offset=2, use_gpu=True
+            )
     finally:
         remove_placement_group(too_small)
