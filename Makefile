@@ -40,7 +40,10 @@ unit: setup
 test: setup lint unit
 
 bench: setup
+	$(BIN)/python -m pip install -c constraints-cpu.txt -e '.[bench]'
 	$(BIN)/python benchmarks/radix_bench.py
+	$(BIN)/python benchmarks/worker_bench.py
+	$(BIN)/python benchmarks/engine_bench.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
