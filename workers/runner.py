@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -15,6 +16,9 @@ from .parallel import SINGLE_RANK, TPGroup, all_gather_ints, all_reduce_min, hea
 from .pool_sizing import kv_cell_size, profile_max_num_tokens
 from .sampler import Sampler
 from .step import StepPlan, StepResult
+
+if TYPE_CHECKING:  # imported lazily: CUDA graphs need CUDA and flashinfer
+    from .cuda_graph import CudaGraphRunner
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +60,21 @@ class ModelRunner:
             config.attention_backend, self.kv_pool, self.req_to_token, heads.num_q_heads,
             mc.head_dim)
         self.sampler = Sampler(self.device)
+        self.graph_runner: CudaGraphRunner | None = None
+        if config.cuda_graph:
+            self.graph_runner = self._capture_graphs()
+
+    def _capture_graphs(self) -> CudaGraphRunner:
+        if self.device.type != "cuda" or self.config.attention_backend != "flashinfer":
+            raise ValueError("cuda_graph=True needs device='cuda' and attention_backend="
+                             "'flashinfer'")
+        from .attention.flashinfer_backend import FlashInferAttentionBackend
+        from .cuda_graph import CudaGraphRunner
+
+        if not isinstance(self.backend, FlashInferAttentionBackend):
+            raise TypeError("CUDA graphs need the flashinfer backend")
+        return CudaGraphRunner(self.model, self.backend, self.config.cuda_graph_max_batch,
+                               self.config.max_context_len, self.device)
 
     @property
     def max_num_tokens(self) -> int:
@@ -101,6 +120,8 @@ class ModelRunner:
         """Logits [B, vocab] of each request's last new token (also used by tests)."""
         self._apply_table_updates(plan)
         batch = self._make_batch(plan)
+        if self.graph_runner is not None and self.graph_runner.can_run(batch):
+            return self.graph_runner.replay(batch)
         self.backend.prepare(batch)
         hidden = self.model(batch.input_ids, batch.positions, self.backend)
         last = torch.from_numpy(batch.token_starts + batch.extend_lens - 1).to(self.device)

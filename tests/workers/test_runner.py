@@ -126,3 +126,19 @@ def test_config_errors(tmp_path: object) -> None:
         WorkerConfig("x", attention_backend="xformers")
     with pytest.raises(ValueError, match="not supported"):
         ModelConfig.from_dict({"architectures": ["GPT2LMHeadModel"]})
+
+
+def test_cuda_only_features_refuse_cpu(tiny_models: dict[str, TinyModel]) -> None:
+    folder = str(tiny_models["llama"].folder)
+    with pytest.raises(ValueError, match="needs CUDA"):
+        ModelRunner(WorkerConfig(folder, attention_backend="flashinfer", max_total_tokens=64))
+    with pytest.raises(ValueError, match="cuda_graph=True needs"):
+        ModelRunner(WorkerConfig(folder, cuda_graph=True, max_total_tokens=64))
+
+
+def test_graph_batch_buckets() -> None:
+    from raydix.workers.cuda_graph import graph_batch_sizes
+
+    assert graph_batch_sizes(32) == [1, 2, 4, 8, 16, 24, 32]
+    assert graph_batch_sizes(5) == [1, 2, 4, 5]
+    assert graph_batch_sizes(20) == [1, 2, 4, 8, 16, 20]
