@@ -43,11 +43,16 @@ class LocalExecutor:
         return None
 
 
-def make_executor(config: EngineConfig, startup_timeout_s: float = 120.0) -> Executor:
-    """In-process for one rank; a Ray TP group (one actor per rank) for more."""
+def make_executor(
+    config: EngineConfig, startup_timeout_s: float = 120.0, use_gpu: bool | None = None
+) -> Executor:
+    """In-process for one rank; a Ray TP group (one actor per rank) for more.
+
+    ``use_gpu``: each rank takes one (possibly fake) GPU; None decides from the device.
+    """
     if config.worker.tp_size == 1:
         return LocalExecutor(config)
     from .tp_group import RayTPGroup
 
     configs = [config.rank_config(r) for r in range(config.worker.tp_size)]
-    return RayTPGroup(configs, startup_timeout_s=startup_timeout_s)
+    return RayTPGroup(configs, startup_timeout_s=startup_timeout_s, use_gpu=use_gpu)

@@ -34,7 +34,7 @@ def _engine(model: Path, tp_size: int, **sched: object) -> Engine:
         worker,
         SchedulerConfig(max_running_requests=48, max_context_len=512, **sched),  # type: ignore[arg-type]
     )
-    engine = Engine(config, executor=make_executor(config, startup_timeout_s=90))
+    engine = Engine(config, executor=make_executor(config, startup_timeout_s=90, use_gpu=True))
     engine.step_hook = lambda s: s.cache.check_integrity()
     return engine
 
@@ -47,6 +47,8 @@ def test_tp2_engine_equals_tp1(ray_cluster: None, tiny_llama: Path) -> None:
     tp2 = _engine(tiny_llama, 2, max_prefill_tokens=256, chunked_prefill_size=64)
     try:
         assert len(tp2.executor.workers) == 2  # type: ignore[attr-defined]
+        bundles = tp2.executor.placement_group.bundle_specs  # type: ignore[attr-defined]
+        assert bundles == [{"GPU": 1.0}, {"GPU": 1.0}]  # one fake GPU per rank
         assert tp2.generate(prompts, params) == expected
         cache = tp2.scheduler.cache
         assert cache.available_size() == cache.capacity and cache.num_running == 0
