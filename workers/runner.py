@@ -124,7 +124,7 @@ class ModelRunner:
             return self.graph_runner.replay(batch)
         self.backend.prepare(batch)
         hidden = self.model(batch.input_ids, batch.positions, self.backend)
-        last = torch.from_numpy(batch.token_starts + batch.extend_lens - 1).to(self.device)
+        last = self._to_device(batch.token_starts + batch.extend_lens - 1)
         return self.model.compute_logits(hidden[last])
 
     def _make_batch(self, plan: StepPlan) -> ForwardBatch:
@@ -133,12 +133,19 @@ class ModelRunner:
         starts = np.cumsum(extend) - extend
         positions = np.arange(int(extend.sum()), dtype=np.int64) + np.repeat(prefix - starts,
                                                                               extend)
-        dev = self.device
         return ForwardBatch(
             row_idx=plan.row_idx.astype(np.int64), prefix_lens=prefix, extend_lens=extend,
-            input_ids=torch.from_numpy(np.asarray(plan.input_ids, dtype=np.int64)).to(dev),
-            positions=torch.from_numpy(positions).to(dev),
-            out_cache_loc=torch.from_numpy(plan.out_cache_loc.astype(np.int64)).to(dev))
+            input_ids=self._to_device(np.asarray(plan.input_ids, dtype=np.int64)),
+            positions=self._to_device(positions),
+            out_cache_loc=self._to_device(plan.out_cache_loc.astype(np.int64)))
+
+    def _to_device(self, arr: np.ndarray) -> torch.Tensor:
+        """Host -> device without a sync: through pinned memory (torch's caching host
+        allocator) and a non-blocking copy on CUDA; a no-op view on CPU."""
+        t = torch.from_numpy(arr)
+        if self.device.type != "cuda":
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
 
     def _apply_table_updates(self, plan: StepPlan) -> None:
         table = self.req_to_token
@@ -153,8 +160,8 @@ class ModelRunner:
                 raise ValueError(f"table write [{w.start}, {w.start + len(w.slot_ids)}) of row "
                                  f"{w.row_idx} is outside max_context_len={max_len}")
             self._check_slots(w.slot_ids, num_slots)
-            table[w.row_idx, w.start: w.start + len(w.slot_ids)] = torch.from_numpy(
-                np.asarray(w.slot_ids, dtype=np.int32)).to(self.device)
+            table[w.row_idx, w.start: w.start + len(w.slot_ids)] = self._to_device(
+                np.asarray(w.slot_ids, dtype=np.int32))
         if plan.batch_size == 0:
             return
         self._check_rows(plan.row_idx, max_rows)
@@ -167,8 +174,8 @@ class ModelRunner:
         rows = np.repeat(plan.row_idx.astype(np.int64), extend)
         cols = np.arange(len(rows)) + np.repeat(plan.prefix_lens - (np.cumsum(extend) - extend),
                                                  extend)
-        table[torch.from_numpy(rows).to(self.device), torch.from_numpy(cols).to(self.device)] = (
-            torch.from_numpy(plan.out_cache_loc.astype(np.int32)).to(self.device))
+        table[self._to_device(rows), self._to_device(cols)] = self._to_device(
+            plan.out_cache_loc.astype(np.int32))
 
     @staticmethod
     def _check_rows(rows: np.ndarray | tuple[int, ...] | list[int], max_rows: int) -> None:

@@ -57,6 +57,17 @@ def test_tp2_matches_tp1_and_transformers(tiny_models: dict[str, TinyModel],
     tp2 = tp2_group.run(case)
     tp1, _ = _tp1(case)
     assert tp2.max_num_tokens == tp1.max_num_tokens == 4096
+    # rank 0 really holds a shard: half the query heads, half the (padded) vocab and MLP
+    one, two = tp1.shard_shapes, tp2.shard_shapes
+    qkv = "model.layers.0.self_attn.qkv_proj.weight"
+    kv_heads = 1  # llama: 2 KV heads split over 2 ranks; qwen2: its 1 KV head replicated
+    assert two[qkv][0] == (4 // 2 + 2 * kv_heads) * 16 and two[qkv][1] == one[qkv][1]
+    assert two["model.layers.0.self_attn.o_proj.weight"][1] == one[
+        "model.layers.0.self_attn.o_proj.weight"][1] // 2
+    assert two["model.layers.0.mlp.gate_up_proj.weight"][0] == one[
+        "model.layers.0.mlp.gate_up_proj.weight"][0] // 2
+    assert two["lm_head.weight"][0] == one["lm_head.weight"][0] // 2 == 125
+    assert two["kv_pool"][1] == kv_heads
     for mode in MODES:
         assert_greedy_equal(tp2.outputs[mode], ref, m.prompts, m.hf,
                             lambda s: tp2_group.run(TPCase(str(m.folder), [], 0, (), s))

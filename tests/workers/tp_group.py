@@ -39,6 +39,7 @@ class TPCaseResult:
     outputs: dict[str, list[list[int]]]
     probe_logits: list[np.ndarray]
     max_num_tokens: int
+    shard_shapes: dict[str, tuple[int, ...]]  # rank 0's local parameter shapes (layer 0)
 
 
 def _free_port() -> int:
@@ -64,7 +65,11 @@ def run_case(worker: TPWorker, case: TPCase) -> TPCaseResult:
     if case.probes:
         plan = broadcast_plan(probe_plan(case.probes, 1), worker.group)
         logits = list(worker.runner.forward(plan).float().cpu().numpy())
-    return TPCaseResult(outputs, logits, worker.max_num_tokens)
+    model = worker.runner.model
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()
+              if ".layers.0." in name or "embed" in name or "lm_head" in name}
+    shapes["kv_pool"] = tuple(worker.runner.kv_pool.k_buffers[0].shape)
+    return TPCaseResult(outputs, logits, worker.max_num_tokens, shapes)
 
 
 def _config(case: TPCase, rank: int, tp_size: int) -> WorkerConfig:

@@ -53,8 +53,8 @@ class FlashInferAttentionBackend(AttentionBackend):
 
     def _page_table(self, row_idx: np.ndarray, seq_lens: np.ndarray,
                     num_padding: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(kv_indptr, kv_indices, kv_last_page_len) for the requests, plus `num_padding`
-        padding requests of one token each on page 0."""
+        """(kv_indptr [host], kv_indices [device], kv_last_page_len [host]) for the requests,
+        plus `num_padding` padding requests of one token each on page 0."""
         ps = self.page_size
         num_pages = (seq_lens + ps - 1) // ps
         starts = np.cumsum(num_pages) - num_pages
@@ -70,8 +70,9 @@ class FlashInferAttentionBackend(AttentionBackend):
             num_pages = np.concatenate([num_pages, np.ones(num_padding, np.int64)])
             last = np.concatenate([last, np.ones(num_padding, np.int64)])
         indptr = np.concatenate([[0], np.cumsum(num_pages)]).astype(np.int32)
-        return (torch.from_numpy(indptr).to(self.device),
-                indices, torch.from_numpy(last.astype(np.int32)).to(self.device))
+        # indptr and last-page lengths stay on the host: `plan` reads them there, and a device
+        # copy would cost a device->host sync inside `plan`
+        return torch.from_numpy(indptr), indices, torch.from_numpy(last.astype(np.int32))
 
     # ---- eager steps ------------------------------------------------------------------------
 
@@ -86,7 +87,7 @@ class FlashInferAttentionBackend(AttentionBackend):
             self._wrapper = self.decode_wrapper
         else:
             qo = np.concatenate([[0], np.cumsum(batch.extend_lens)]).astype(np.int32)
-            self.prefill_wrapper.plan(torch.from_numpy(qo).to(self.device), indptr, indices, last,
+            self.prefill_wrapper.plan(torch.from_numpy(qo), indptr, indices, last,
                                       self.num_q_heads, self.num_kv_heads, self.head_dim,
                                       self.page_size, causal=True, q_data_type=dtype,
                                       kv_data_type=dtype)
