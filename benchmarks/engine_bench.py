@@ -72,7 +72,9 @@ def mixed(vocab: int, num: int, prompt_range: tuple[int, int], output_range: tup
 
 
 def make_engine(folder: Path, cache: bool, max_running: int = 64) -> Engine:
-    worker = WorkerConfig(model_path=str(folder), max_total_tokens=80_000)
+    # a memory budget that holds every request of the workloads at once: no retraction here
+    worker = WorkerConfig(model_path=str(folder), max_total_tokens=80_000,
+                          cpu_memory_budget_bytes=8 << 30)
     sched = SchedulerConfig(max_running_requests=max_running, max_context_len=2048,
                             enable_prefix_cache=cache, max_prefill_tokens=2048,
                             chunked_prefill_size=2048)
