@@ -1,0 +1,203 @@
+"""An asyncio face for the synchronous engine: one loop thread owns the engine.
+
+Only the loop thread touches the engine. Callers on the event loop hand it commands (add a
+request, abort one, run a function) through a locked list; the thread applies them between
+steps, runs ``engine.step()`` while there is work and sleeps on a condition otherwise. Each
+request's outputs travel back through its own ``asyncio.Queue``, filled with
+``loop.call_soon_threadsafe`` once per step and request.
+
+Admission is bounded: at most ``max_running_requests + max_waiting_requests`` requests are in
+flight; one more raises `EngineOverloadedError` at once instead of queueing without end.
+A caller that stops iterating (a client went away, the task was cancelled) aborts its request,
+which frees its KV in the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+from .engine import Engine
+from .request import GenerationParams, RequestOutput
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+_Sink = Callable[[list[RequestOutput] | BaseException], None]
+
+
+class EngineOverloadedError(RuntimeError):
+    """The engine's waiting queue is full; the caller should retry after ``retry_after_s``."""
+
+    def __init__(self, num_in_flight: int, retry_after_s: int) -> None:
+        super().__init__(
+            f"the engine is overloaded ({num_in_flight} requests in flight); retry later"
+        )
+        self.retry_after_s = retry_after_s
+
+
+class EngineDeadError(RuntimeError):
+    """The loop thread stopped (shutdown, or a step raised); no request can run any more."""
+
+
+@dataclass(frozen=True)
+class _Add:
+    rid: str
+    prompt_ids: Sequence[int]
+    params: GenerationParams
+    sink: _Sink
+
+
+@dataclass(frozen=True)
+class _Abort:
+    rid: str
+
+
+@dataclass(frozen=True)
+class _Call:
+    fn: Callable[[Engine], object]
+    future: concurrent.futures.Future[object]
+
+
+class AsyncEngine:
+    """Runs `engine` in a daemon thread; `generate` streams one request's outputs."""
+
+    def __init__(self, engine: Engine, max_waiting_requests: int = 256,
+                 retry_after_s: int = 1) -> None:
+        if max_waiting_requests < 0:
+            raise ValueError(f"max_waiting_requests must be >= 0, got {max_waiting_requests}")
+        self.engine = engine
+        self.max_in_flight = engine.config.scheduler.max_running_requests + max_waiting_requests
+        self.retry_after_s = retry_after_s
+        self.num_in_flight = 0  # touched on the event loop only
+        self._commands: list[_Add | _Abort | _Call] = []
+        self._wake = threading.Condition()
+        self._sinks: dict[str, _Sink] = {}  # loop thread only
+        self._stopped = False
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="raydix-engine-loop", daemon=True)
+        self._thread.start()
+
+    # ----------------------------------------------------------------- event-loop side
+    async def generate(self, prompt_ids: Sequence[int], params: GenerationParams,
+                       rid: str) -> AsyncIterator[list[RequestOutput]]:
+        """Yield lists of outputs for request `rid` until it finishes.
+
+        Raises ValueError (from the engine) for a request it refuses, `EngineOverloadedError`
+        when the queue is full. Leaving the iteration early aborts the request.
+        """
+        self._check_alive()
+        if self.num_in_flight >= self.max_in_flight:
+            raise EngineOverloadedError(self.num_in_flight, self.retry_after_s)
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[list[RequestOutput] | BaseException] = asyncio.Queue()
+
+        def sink(item: list[RequestOutput] | BaseException) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+
+        self.num_in_flight += 1
+        finished = False
+        try:
+            self._send(_Add(rid, list(prompt_ids), params, sink))
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = any(out.finished for out in item)
+                yield item
+        finally:
+            self.num_in_flight -= 1
+            if not finished:
+                self._send(_Abort(rid))
+
+    def abort(self, rid: str) -> None:
+        self._send(_Abort(rid))
+
+    async def call(self, fn: Callable[[Engine], T]) -> T:
+        """Run `fn(engine)` on the loop thread, between steps, and return its result."""
+        self._check_alive()
+        future: concurrent.futures.Future[object] = concurrent.futures.Future()
+        self._send(_Call(fn, future))
+        return await asyncio.wrap_future(future)  # type: ignore[return-value]
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive() and self._error is None
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        with self._wake:
+            self._stopped = True
+            self._wake.notify()
+        self._thread.join(timeout_s)
+        self.engine.shutdown()
+
+    def _send(self, command: _Add | _Abort | _Call) -> None:
+        with self._wake:
+            self._commands.append(command)
+            self._wake.notify()
+
+    def _check_alive(self) -> None:
+        if self._error is not None:
+            raise EngineDeadError(f"the engine loop stopped: {self._error!r}")
+        if self._stopped:
+            raise EngineDeadError("the engine is shut down")
+
+    # ------------------------------------------------------------------ loop-thread side
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._wake:
+                    while not self._commands and not self._stopped and not self.engine.has_work:
+                        self._wake.wait()
+                    if self._stopped:
+                        break
+                    commands, self._commands = self._commands, []
+                for command in commands:
+                    self._apply(command)
+                if self.engine.has_work:
+                    self._dispatch(self.engine.step())
+        except BaseException as e:  # a broken step: every waiting caller learns why
+            logger.exception("the engine loop stopped")
+            self._error = e
+            for sink in self._sinks.values():
+                sink(EngineDeadError(f"the engine loop stopped: {e!r}"))
+            self._sinks.clear()
+            with self._wake:
+                calls = [c for c in self._commands if isinstance(c, _Call)]
+            for c in calls:
+                c.future.set_exception(EngineDeadError(f"the engine loop stopped: {e!r}"))
+
+    def _apply(self, command: _Add | _Abort | _Call) -> None:
+        if isinstance(command, _Add):
+            try:
+                self.engine.add_request(command.prompt_ids, command.params, command.rid)
+            except ValueError as e:
+                command.sink(e)
+                return
+            self._sinks[command.rid] = command.sink
+        elif isinstance(command, _Abort):
+            if self._sinks.pop(command.rid, None) is not None:
+                self.engine.abort(command.rid)
+        else:
+            try:
+                command.future.set_result(command.fn(self.engine))
+            except Exception as e:
+                command.future.set_exception(e)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        by_rid: dict[str, list[RequestOutput]] = {}
+        for out in outputs:
+            by_rid.setdefault(out.rid, []).append(out)
+        for rid, outs in by_rid.items():
+            sink = self._sinks.get(rid)
+            if sink is None:
+                continue  # aborted meanwhile
+            if any(out.finished for out in outs):
+                del self._sinks[rid]
+            sink(outs)

@@ -1,0 +1,72 @@
+"""The Serve application: the OpenAI ingress in front of the engine deployment.
+
+`build_app` is importable for the Serve CLI, which validates its arguments into `AppConfig`::
+
+    serve run raydix.deploy.app:build_app model=default tp=1
+"""
+
+from __future__ import annotations
+
+import os
+
+import ray
+from ray import serve
+from ray.serve import Application
+
+from .config import AppConfig, engine_config, resolve_device, resolve_model_path
+from .ingress import OpenAIIngress
+from .server import EngineFactory, EngineServer, build_engine, replica_bundles
+
+API_KEY_ENV = "RAYDIX_API_KEY"
+ENGINE_DEPLOYMENT = "EngineServer"
+INGRESS_DEPLOYMENT = "OpenAIIngress"
+MAX_INGRESS_ONGOING_REQUESTS = 4096
+
+
+def _cluster_gpus() -> float:
+    if ray.is_initialized():
+        return float(ray.cluster_resources().get("GPU", 0.0))
+    import torch
+
+    return float(torch.cuda.device_count())
+
+
+def build_app(config: AppConfig, engine_factory: EngineFactory = build_engine) -> Application:
+    """Bind the engine deployment and the ingress for `config` (the default model is
+    converted here, once, before any replica starts)."""
+    model_path = resolve_model_path(config)
+    device = resolve_device(config, _cluster_gpus())
+    use_gpu = config.use_gpu_bundles if config.use_gpu_bundles is not None else device == "cuda"
+    engine = engine_config(config, model_path, device)
+    bundles = replica_bundles(config.tp, use_gpu)
+    scaling: dict[str, object]
+    if config.autoscaling is not None:
+        scaling = {"autoscaling_config": config.autoscaling.model_dump()}
+    else:
+        scaling = {"num_replicas": config.replicas}
+    placement: dict[str, object] = {}
+    if bundles is not None:
+        placement = {"placement_group_bundles": bundles,
+                     "placement_group_strategy": "STRICT_PACK"}
+    engine_deployment = serve.deployment(EngineServer).options(
+        name=ENGINE_DEPLOYMENT,
+        # above the engine's own admission bound, so the engine answers "overloaded" (503)
+        max_ongoing_requests=config.max_running_requests + config.max_waiting_requests + 64,
+        ray_actor_options={"num_cpus": 1},
+        health_check_period_s=10,
+        health_check_timeout_s=60,
+        graceful_shutdown_timeout_s=5,
+        **scaling,  # type: ignore[arg-type]
+        **placement,  # type: ignore[arg-type]
+    )
+    engine_app = engine_deployment.bind(engine, use_gpu, config.max_waiting_requests,
+                                        engine_factory)
+    ingress = serve.deployment(OpenAIIngress).options(
+        name=INGRESS_DEPLOYMENT,
+        num_replicas=1,
+        max_ongoing_requests=MAX_INGRESS_ONGOING_REQUESTS,
+        ray_actor_options={"num_cpus": 0},
+    )
+    api_key = config.api_key or os.environ.get(API_KEY_ENV) or None
+    return ingress.bind(engine_app, model_path, config.model_name,
+                        engine.scheduler.max_context_len, config.max_request_bytes, api_key)

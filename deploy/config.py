@@ -1,0 +1,181 @@
+"""The application's settings: one pydantic model behind the CLI, a YAML file and `build_app`.
+
+`engine_config` is the only place where these settings become the engine's frozen config.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from raydix.cluster.config import EngineConfig, SchedulerConfig
+from raydix.workers.config import ModelConfig, WorkerConfig
+
+DEFAULT_MODEL = "default"
+DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
+
+
+class AutoscalingSettings(BaseModel):
+    """Passed to Serve's autoscaling config of the engine deployment."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    min_replicas: int = Field(1, ge=0, description="fewest engine replicas")
+    max_replicas: int = Field(1, ge=1, description="most engine replicas")
+    target_ongoing_requests: float = Field(
+        32.0, gt=0, description="requests per replica that Serve aims for"
+    )
+
+
+class AppConfig(BaseModel):
+    """Everything `raydix serve` can be told, from flags or from a YAML file."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # what to serve
+    model: str = Field(
+        DEFAULT_MODEL,
+        description="'default' (SmolLM2-135M-Instruct, packaged) or a local Hugging Face folder",
+    )
+    served_model_name: str | None = Field(
+        None, description="the name clients pass as `model`; default: derived from the model"
+    )
+    model_cache_dir: str | None = Field(
+        None, description="where the default model is converted to (default ~/.cache/raydix)"
+    )
+    # where
+    address: str | None = Field(
+        None, description="join this Ray cluster; without it a local Ray starts embedded"
+    )
+    host: str = Field("127.0.0.1", description="HTTP host")
+    port: int = Field(8000, ge=1, le=65535, description="HTTP port")
+    api_key: str | None = Field(
+        None, description="clients must send `Authorization: Bearer <key>` (env RAYDIX_API_KEY)"
+    )
+    # replicas and ranks
+    tp: int = Field(1, ge=1, description="tensor-parallel ranks per replica")
+    replicas: int = Field(1, ge=1, description="engine replicas (ignored with autoscaling)")
+    autoscaling: AutoscalingSettings | None = Field(
+        None, description="let Serve scale the engine replicas"
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="where ranks run; auto: cuda when the cluster has GPUs"
+    )
+    use_gpu_bundles: bool | None = Field(
+        None,
+        description="reserve one Ray GPU per rank; default: when device is cuda "
+        "(true with device cpu runs on fake GPUs, for tests)",
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
+        None, description="weights and KV dtype; default bf16 on CUDA, fp32 on CPU"
+    )
+    attention_backend: Literal["torch", "flashinfer"] = Field(
+        "torch", description="attention kernels (flashinfer: CUDA only)"
+    )
+    # memory and scheduling
+    mem_fraction_static: float = Field(
+        0.85, gt=0, le=1, description="share of device memory for weights and KV pool"
+    )
+    max_total_tokens: int | None = Field(None, ge=1, description="cap on KV pool slots")
+    cpu_memory_budget_gib: float = Field(
+        2.0, gt=0, description="on CPU: memory that stands in for free device memory"
+    )
+    page_size: int = Field(1, ge=1, description="KV slots per page")
+    max_running_requests: int = Field(64, ge=1, description="requests decoded together")
+    max_waiting_requests: int = Field(
+        256, ge=0, description="requests queued beyond the running ones before 503"
+    )
+    max_context_len: int | None = Field(
+        None, ge=2, description="prompt + output tokens; default: the model's limit, at most 8192"
+    )
+    chunked_prefill_size: int = Field(2048, ge=1, description="prompt chunk per step")
+    max_prefill_tokens: int = Field(8192, ge=1, description="new prompt tokens per step")
+    schedule_policy: Literal["fcfs", "lpm", "priority"] = Field(
+        "fcfs", description="order of waiting requests"
+    )
+    disable_radix_cache: bool = Field(False, description="turn off prefix caching")
+    # HTTP limits
+    max_request_bytes: int = Field(
+        1 << 20, ge=1024, description="larger request bodies get 413"
+    )
+    startup_timeout_s: float = Field(600.0, gt=0, description="bound on a replica's start-up")
+
+    @model_validator(mode="after")
+    def _check(self) -> AppConfig:
+        if self.attention_backend == "flashinfer" and self.device == "cpu":
+            raise ValueError("attention_backend flashinfer needs device cuda")
+        return self
+
+    @property
+    def model_name(self) -> str:
+        if self.served_model_name:
+            return self.served_model_name
+        if self.model == DEFAULT_MODEL:
+            return DEFAULT_MODEL_NAME
+        return Path(self.model).name or self.model
+
+
+def load_yaml(path: str | Path) -> dict[str, object]:
+    """The mapping in a YAML config file (checked by `AppConfig` afterwards)."""
+    data = yaml.safe_load(Path(path).read_text())
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: a config file holds a mapping of options, got {type(data)}")
+    return data
+
+
+def describe_error(error: ValidationError) -> str:
+    """One line naming each bad option."""
+    parts = []
+    for e in error.errors():
+        name = ".".join(str(p) for p in e["loc"]) or "config"
+        parts.append(f"{name}: {e['msg']}")
+    return "; ".join(parts)
+
+
+def resolve_model_path(config: AppConfig) -> str:
+    """A local folder for `config.model`: the default model is converted on first use."""
+    if config.model == DEFAULT_MODEL:
+        from raydix.workers.gguf_convert import DEFAULT_CACHE_DIR, default_model_folder
+
+        cache_dir = Path(config.model_cache_dir) if config.model_cache_dir else DEFAULT_CACHE_DIR
+        return str(default_model_folder(cache_dir))
+    if not (Path(config.model) / "config.json").is_file():
+        raise FileNotFoundError(f"model folder {config.model!r} has no config.json")
+    return config.model
+
+
+def resolve_device(config: AppConfig, num_cluster_gpus: float) -> str:
+    if config.device != "auto":
+        return config.device
+    return "cuda" if num_cluster_gpus > 0 else "cpu"
+
+
+def engine_config(config: AppConfig, model_path: str, device: str) -> EngineConfig:
+    """The one translation from app settings to the engine's frozen config."""
+    model = ModelConfig.from_folder(model_path)
+    max_context_len = config.max_context_len or min(model.max_position_embeddings, 8192)
+    worker = WorkerConfig(
+        model_path=model_path,
+        tp_size=config.tp,
+        device=device,
+        dtype=config.dtype,
+        attention_backend=config.attention_backend,
+        mem_fraction_static=config.mem_fraction_static,
+        max_total_tokens=config.max_total_tokens,
+        cpu_memory_budget_bytes=int(config.cpu_memory_budget_gib * (1 << 30)),
+    )
+    scheduler = SchedulerConfig(
+        max_running_requests=config.max_running_requests,
+        max_context_len=max_context_len,
+        page_size=config.page_size,
+        max_prefill_tokens=config.max_prefill_tokens,
+        chunked_prefill_size=config.chunked_prefill_size,
+        schedule_policy=config.schedule_policy,
+        enable_prefix_cache=not config.disable_radix_cache,
+    )
+    return EngineConfig.build(worker, scheduler)

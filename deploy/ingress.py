@@ -1,0 +1,223 @@
+"""The OpenAI-compatible HTTP ingress (FastAPI through `serve.ingress`).
+
+It checks the API key and the body size, validates the body, tokenizes (the chat template for
+chat), checks the context limit, starts one engine request per choice and answers whole or as
+server-sent events ending with `data: [DONE]`. Every refusal is an OpenAI error body.
+"""
+
+
+import hmac
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from raydix.cluster.request import GenerationParams
+from raydix.workers.step import SamplingParams
+
+from .errors import ApiError, bad_request, from_validation_error, too_large, unauthorized
+from .generation import ChoiceStreams, make_choices
+from .metrics import IngressMetrics, render_metrics
+from .openai_schema import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+)
+from .responses import (
+    ResponseHead,
+    chat_response,
+    chat_sse,
+    collect,
+    completion_response,
+    completion_sse,
+)
+
+B = TypeVar("B", bound=BaseModel)
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+app = FastAPI(title="raydix", docs_url=None, redoc_url=None)
+
+
+async def _close_after(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+    """Pass chunks through; when the client goes away mid-stream, close the source so the
+    engine requests are aborted at once."""
+    try:
+        async for chunk in chunks:
+            yield chunk
+    finally:
+        close = getattr(chunks, "aclose", None)
+        if close is not None:
+            await close()
+
+
+@app.exception_handler(ApiError)
+async def _api_error(_: Request, error: ApiError) -> JSONResponse:
+    return error.response()
+
+
+@serve.ingress(app)
+class OpenAIIngress:
+    def __init__(self, engine: DeploymentHandle, model_path: str, model_name: str,
+                 max_context_len: int, max_request_bytes: int,
+                 api_key: str | None = None) -> None:
+        from transformers import AutoTokenizer
+
+        self.engine = engine
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.model_name = model_name
+        self.max_context_len = max_context_len
+        self.max_request_bytes = max_request_bytes
+        self.api_key = api_key
+        self.created = int(time.time())
+        self.metrics = IngressMetrics()
+
+    # ------------------------------------------------------------------------ endpoints
+    @app.get("/health")
+    async def health(self) -> dict[str, str]:
+        await self.engine.ping.remote()
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus(self) -> PlainTextResponse:
+        stats = await self.engine.stats.remote()
+        return PlainTextResponse(render_metrics(self.metrics, [stats]),
+                                 media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models(self, request: Request) -> ModelList:
+        self._check_auth(request)
+        return ModelList(data=[ModelCard(id=self.model_name, created=self.created,
+                                         max_model_len=self.max_context_len)])
+
+    @app.post("/v1/completions")
+    async def completions(self, request: Request) -> Response:
+        self._check_auth(request)
+        body = await self._parse(request, CompletionRequest)
+        self._check_model(body.model)
+        prompts = self._completion_prompts(body.prompt)
+        max_tokens = body.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS
+        params = self._params(body, prompts, max_tokens, "prompt", body.logprobs is not None)
+        return await self._generate("cmpl", body, prompts, params, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request) -> Response:
+        self._check_auth(request)
+        body = await self._parse(request, ChatCompletionRequest)
+        self._check_model(body.model)
+        prompt = self._chat_prompt(body)
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        if max_tokens is None:
+            max_tokens = max(self.max_context_len - len(prompt), 1)
+        params = self._params(body, [prompt], max_tokens, "messages", body.logprobs)
+        return await self._generate("chatcmpl", body, [prompt], params, chat=True)
+
+    # ------------------------------------------------------------------------- pipeline
+    async def _generate(self, kind: str, body: CompletionRequest | ChatCompletionRequest,
+                        prompts: list[list[int]], params: GenerationParams,
+                        chat: bool) -> Response:
+        request_id = f"{kind}-{uuid.uuid4().hex}"
+        choices = make_choices(request_id, prompts, params, body.n)
+        head = ResponseHead(id=request_id, model=self.model_name, n=body.n,
+                            want_logprobs=params.sampling.return_logprob,
+                            token_text=self._token_text)
+        track = self.metrics.track(chat)
+        streams = ChoiceStreams(self.engine, choices)
+        try:
+            await streams.start()
+        except ApiError as e:
+            track.done(e.status)
+            raise
+        events = track.watch(streams.events())
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            sse = chat_sse if chat else completion_sse
+            return StreamingResponse(_close_after(sse(head, events, len(choices), include_usage)),
+                                     media_type="text/event-stream")
+        results = await collect(events, len(choices))
+        answer = chat_response(head, results) if chat else completion_response(head, results)
+        return JSONResponse(answer.model_dump(exclude_none=True))
+
+    def _params(self, body: CompletionRequest | ChatCompletionRequest,
+                prompts: list[list[int]], max_tokens: int, prompt_field: str,
+                logprobs: bool) -> GenerationParams:
+        longest = max(len(p) for p in prompts)
+        if longest >= self.max_context_len:
+            raise bad_request(f"the prompt has {longest} tokens; this model's maximum context "
+                              f"length is {self.max_context_len} tokens", prompt_field,
+                              code="context_length_exceeded")
+        if longest + max_tokens > self.max_context_len:
+            raise bad_request(
+                f"this model's maximum context length is {self.max_context_len} tokens, but "
+                f"{longest + max_tokens} were requested ({longest} in the prompt, {max_tokens} "
+                f"for the output); lower max_tokens", "max_tokens",
+                code="context_length_exceeded")
+        stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        if any(not s for s in stop):
+            raise bad_request("stop strings must not be empty", "stop")
+        sampling = SamplingParams(temperature=body.temperature, top_k=body.top_k,
+                                  top_p=body.top_p, min_p=body.min_p, seed=body.seed,
+                                  return_logprob=logprobs)
+        return GenerationParams(sampling=sampling, max_new_tokens=max_tokens,
+                                stop_strings=tuple(stop), ignore_eos=body.ignore_eos)
+
+    def _completion_prompts(self, prompt: str | list[str] | list[int]) -> list[list[int]]:
+        if isinstance(prompt, str):
+            prompt = [prompt]
+        if not prompt:
+            raise bad_request("the prompt is empty", "prompt")
+        if isinstance(prompt[0], int):
+            ids = [int(t) for t in prompt]
+            vocab = len(self.tokenizer)
+            if any(not 0 <= t < vocab for t in ids):
+                raise bad_request(f"prompt token ids must be in [0, {vocab})", "prompt")
+            return [ids]
+        prompts = [self.tokenizer.encode(str(p)) for p in prompt]
+        if any(not p for p in prompts):
+            raise bad_request("the prompt is empty", "prompt")
+        return prompts
+
+    def _chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
+        if not body.messages:
+            raise bad_request("messages must not be empty", "messages")
+        messages = [{"role": m.role, "content": m.content or ""} for m in body.messages]
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                  tokenize=False)
+        return list(self.tokenizer.encode(str(text), add_special_tokens=False))
+
+    def _token_text(self, token_id: int) -> str:
+        return str(self.tokenizer.decode([token_id]))
+
+    # ----------------------------------------------------------------------- edge checks
+    def _check_auth(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+            raise unauthorized()
+
+    def _check_model(self, model: str) -> None:
+        if model != self.model_name:
+            raise bad_request(f"the model {model!r} is not served here; this server serves "
+                              f"{self.model_name!r}", "model", code="model_not_found")
+
+    async def _parse(self, request: Request, model: type[B]) -> B:
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_request_bytes:
+            raise too_large(self.max_request_bytes)
+        raw = bytearray()
+        async for part in request.stream():
+            raw += part
+            if len(raw) > self.max_request_bytes:
+                raise too_large(self.max_request_bytes)
+        try:
+            return model.model_validate_json(bytes(raw))
+        except ValidationError as e:
+            raise from_validation_error(e) from e
+

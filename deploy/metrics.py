@@ -1,0 +1,131 @@
+"""/metrics in the Prometheus text format.
+
+Request-level series (requests, tokens, time to first token, time per output token) are
+measured at the ingress, as clients see them. Engine-level series (queue, KV usage, cache hit
+rate, engine token counters) come from each engine replica's `ReplicaStats`, labelled with
+the replica id.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Sequence
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+
+from raydix.cluster.request import RequestOutput
+
+from .server import ReplicaStats
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class IngressMetrics:
+    """Counters and histograms of one ingress replica (its own registry)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter("raydix_requests", "finished API requests", ["endpoint", "status"],
+                                registry=r)
+        self.prompt_tokens = Counter("raydix_prompt_tokens", "prompt tokens of finished "
+                                     "requests", registry=r)
+        self.cached_tokens = Counter("raydix_cached_prompt_tokens", "prompt tokens served from "
+                                     "the prefix cache", registry=r)
+        self.generation_tokens = Counter("raydix_generation_tokens", "output tokens", registry=r)
+        self.ttft = Histogram("raydix_time_to_first_token_seconds", "time to the first output "
+                              "token", buckets=_LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("raydix_time_per_output_token_seconds", "mean time between output "
+                              "tokens of a request", buckets=_LATENCY_BUCKETS, registry=r)
+        self.latency = Histogram("raydix_request_latency_seconds", "request start to last token",
+                                 buckets=_LATENCY_BUCKETS, registry=r)
+
+    def track(self, chat: bool) -> RequestTracker:
+        return RequestTracker(self, "chat_completions" if chat else "completions")
+
+
+class RequestTracker:
+    """Times one API request from its start to its last output."""
+
+    def __init__(self, metrics: IngressMetrics, endpoint: str) -> None:
+        self.metrics = metrics
+        self.endpoint = endpoint
+        self.start = time.perf_counter()
+        self._recorded = False
+
+    def done(self, status: int | str) -> None:
+        if not self._recorded:
+            self._recorded = True
+            self.metrics.requests.labels(self.endpoint, str(status)).inc()
+
+    async def watch(self, events: AsyncIterator[tuple[int, RequestOutput]]
+                    ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        first: float | None = None
+        num_tokens = 0
+        seen_prompt: set[int] = set()
+        m = self.metrics
+        try:
+            async for i, out in events:
+                if out.new_token_ids and first is None:
+                    first = time.perf_counter()
+                    m.ttft.observe(first - self.start)
+                num_tokens += len(out.new_token_ids)
+                m.generation_tokens.inc(len(out.new_token_ids))
+                if out.finished and i not in seen_prompt:
+                    seen_prompt.add(i)
+                    m.prompt_tokens.inc(out.usage.prompt_tokens)
+                    m.cached_tokens.inc(out.usage.cached_tokens)
+                yield i, out
+            end = time.perf_counter()
+            m.latency.observe(end - self.start)
+            if first is not None and num_tokens > 1:
+                m.tpot.observe((end - first) / (num_tokens - 1))
+            self.done(200)
+        finally:
+            self.done("cancelled")
+
+
+_ENGINE_GAUGES = (
+    ("raydix_num_running_requests", "requests in the running batch", "num_running"),
+    ("raydix_num_waiting_requests", "requests queued in the scheduler", "num_waiting"),
+    ("raydix_kv_usage_ratio", "share of the KV pool in use", "token_usage"),
+    ("raydix_cache_hit_rate", "cached prompt tokens / prompt tokens", "cache_hit_rate"),
+    ("raydix_generation_throughput", "output tokens per second since start",
+     "generation_throughput"),
+)
+_ENGINE_COUNTERS = (
+    ("raydix_engine_generated_tokens", "output tokens of the engine", "num_generated_tokens"),
+    ("raydix_engine_prompt_tokens", "prompt tokens admitted", "num_prompt_tokens"),
+    ("raydix_engine_cached_tokens", "prompt tokens served from the prefix cache",
+     "num_cached_tokens"),
+    ("raydix_engine_retractions", "requests sent back to the queue for memory",
+     "num_retractions"),
+    ("raydix_engine_finished_requests", "requests finished", "num_finished"),
+)
+
+
+def _label(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def render_engine(stats: Sequence[ReplicaStats]) -> str:
+    """Per-replica engine series, written in the exposition format by hand."""
+    lines: list[str] = []
+    for name, help_text, field in _ENGINE_GAUGES:
+        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge"]
+        lines += [f'{name}{{replica="{_label(s.replica_id)}"}} {float(getattr(s.metrics, field))}'
+                  for s in stats]
+    for name, help_text, field in _ENGINE_COUNTERS:
+        lines += [f"# HELP {name}_total {help_text}", f"# TYPE {name}_total counter"]
+        lines += [f'{name}_total{{replica="{_label(s.replica_id)}"}} '
+                  f"{float(getattr(s.metrics, field))}" for s in stats]
+    name = "raydix_requests_in_flight"
+    lines += [f"# HELP {name} requests handed to the replica and not finished",
+              f"# TYPE {name} gauge"]
+    lines += [f'{name}{{replica="{_label(s.replica_id)}"}} {float(s.num_in_flight)}'
+              for s in stats]
+    return "\n".join(lines) + "\n"
+
+
+def render_metrics(ingress: IngressMetrics, stats: Sequence[ReplicaStats]) -> str:
+    return generate_latest(ingress.registry).decode() + render_engine(stats)

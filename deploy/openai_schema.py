@@ -1,0 +1,166 @@
+"""OpenAI request and response bodies (the subset raydix serves), as pydantic models."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = Field(False, description="send a last chunk carrying the usage")
+
+
+class _SamplingFields(_Body):
+    model: str = Field(description="the served model's name")
+    max_tokens: int | None = Field(None, gt=0, description="output tokens at most")
+    temperature: float = Field(1.0, ge=0, description="0 is greedy")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling mass")
+    top_k: int = Field(-1, description="sample among the k likeliest tokens; <= 0: off")
+    min_p: float = Field(0.0, ge=0, le=1, description="drop tokens below min_p x the top one")
+    stop: str | list[str] | None = Field(None, description="stop strings (not in the output)")
+    seed: int | None = Field(None, description="same seed, same prompt: same tokens")
+    n: int = Field(1, ge=1, le=16, description="choices per prompt")
+    stream: bool = Field(False, description="server-sent events, ending with [DONE]")
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = Field(False, description="keep going past end-of-sequence tokens")
+    user: str | None = Field(None, description="ignored")
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[int] = Field(
+        description="a text, a list of texts, or one prompt as token ids"
+    )
+    logprobs: int | None = Field(
+        None, ge=0, le=5, description="return the sampled tokens' logprobs"
+    )
+    echo: Literal[False] = Field(False, description="not supported: must be false")
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(description="the conversation so far")
+    max_completion_tokens: int | None = Field(None, gt=0, description="alias of max_tokens")
+    logprobs: bool = Field(False, description="return the sampled tokens' logprobs")
+    top_logprobs: int | None = Field(None, ge=0, le=20, description="only 0 or 1 are filled")
+
+
+# ------------------------------------------------------------------------------- responses
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = []
+    token_logprobs: list[float] = []
+    top_logprobs: list[dict[str, float]] = []
+    text_offset: list[int] = []
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class TokenLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[TokenLogprob] = []
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob] = []
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "raydix"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo

@@ -1,0 +1,171 @@
+"""Engine outputs → OpenAI response bodies, whole or as server-sent events."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from pydantic import BaseModel
+
+from raydix.cluster.request import RequestOutput, Usage
+
+from .openai_schema import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatLogprobs,
+    ChatResponseMessage,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionResponse,
+    PromptTokensDetails,
+    TokenLogprob,
+    UsageInfo,
+)
+
+Events = AsyncIterator[tuple[int, RequestOutput]]
+TokenText = Callable[[int], str]  # one token id as text
+
+
+@dataclass
+class ChoiceResult:
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+    usage: Usage | None = None
+
+    def add(self, out: RequestOutput) -> None:
+        self.text += out.text
+        self.token_ids += out.new_token_ids
+        self.logprobs += out.logprobs
+        self.usage = out.usage
+        if out.finish_reason is not None:
+            self.finish_reason = out.finish_reason.value
+
+
+@dataclass(frozen=True)
+class ResponseHead:
+    id: str
+    model: str
+    n: int  # choices per prompt
+    want_logprobs: bool
+    token_text: TokenText
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+def usage_info(results: list[ChoiceResult], n: int) -> UsageInfo:
+    """The prompt counted once per prompt; the outputs of all choices."""
+    prompt = cached = completion = 0
+    for i, r in enumerate(results):
+        if r.usage is None:
+            continue
+        completion += r.usage.completion_tokens
+        if i % n == 0:
+            prompt += r.usage.prompt_tokens
+            cached += r.usage.cached_tokens
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion,
+                     total_tokens=prompt + completion,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+
+
+def _completion_logprobs(head: ResponseHead, token_ids: list[int], logprobs: list[float],
+                         offset: int) -> CompletionLogprobs | None:
+    if not head.want_logprobs:
+        return None
+    tokens = [head.token_text(t) for t in token_ids]
+    offsets = []
+    for tok in tokens:
+        offsets.append(offset)
+        offset += len(tok)
+    return CompletionLogprobs(tokens=tokens, token_logprobs=list(logprobs),
+                              top_logprobs=[{t: lp} for t, lp in zip(tokens, logprobs,
+                                                                      strict=True)],
+                              text_offset=offsets)
+
+
+def _chat_logprobs(head: ResponseHead, token_ids: list[int],
+                   logprobs: list[float]) -> ChatLogprobs | None:
+    if not head.want_logprobs:
+        return None
+    content = []
+    for t, lp in zip(token_ids, logprobs, strict=True):
+        text = head.token_text(t)
+        content.append(TokenLogprob(token=text, logprob=lp, bytes=list(text.encode()),
+                                    top_logprobs=[TokenLogprob(token=text, logprob=lp,
+                                                               bytes=list(text.encode()))]))
+    return ChatLogprobs(content=content)
+
+
+async def collect(events: Events, num_choices: int) -> list[ChoiceResult]:
+    results = [ChoiceResult() for _ in range(num_choices)]
+    async for i, out in events:
+        results[i].add(out)
+    return results
+
+
+def completion_response(head: ResponseHead, results: list[ChoiceResult]) -> CompletionResponse:
+    choices = [CompletionChoice(index=i, text=r.text, finish_reason=r.finish_reason,
+                                logprobs=_completion_logprobs(head, r.token_ids, r.logprobs, 0))
+               for i, r in enumerate(results)]
+    return CompletionResponse(id=head.id, created=head.created, model=head.model,
+                              choices=choices, usage=usage_info(results, head.n))
+
+
+def chat_response(head: ResponseHead, results: list[ChoiceResult]) -> ChatCompletionResponse:
+    choices = [ChatChoice(index=i, message=ChatResponseMessage(content=r.text),
+                          finish_reason=r.finish_reason,
+                          logprobs=_chat_logprobs(head, r.token_ids, r.logprobs))
+               for i, r in enumerate(results)]
+    return ChatCompletionResponse(id=head.id, created=head.created, model=head.model,
+                                  choices=choices, usage=usage_info(results, head.n))
+
+
+def _sse(body: BaseModel) -> str:
+    return f"data: {body.model_dump_json(exclude_none=True)}\n\n"
+
+
+async def completion_sse(head: ResponseHead, events: Events, num_choices: int,
+                         include_usage: bool) -> AsyncIterator[str]:
+    results = [ChoiceResult() for _ in range(num_choices)]
+    async for i, out in events:
+        offset = len(results[i].text)
+        results[i].add(out)
+        if not out.text and not out.finished and not head.want_logprobs:
+            continue
+        choice = CompletionChoice(
+            index=i, text=out.text,
+            finish_reason=out.finish_reason.value if out.finish_reason else None,
+            logprobs=_completion_logprobs(head, list(out.new_token_ids), list(out.logprobs),
+                                          offset))
+        yield _sse(CompletionResponse(id=head.id, created=head.created, model=head.model,
+                                      choices=[choice]))
+    if include_usage:
+        yield _sse(CompletionResponse(id=head.id, created=head.created, model=head.model,
+                                      choices=[], usage=usage_info(results, head.n)))
+    yield "data: [DONE]\n\n"
+
+
+async def chat_sse(head: ResponseHead, events: Events, num_choices: int,
+                   include_usage: bool) -> AsyncIterator[str]:
+    def chunk(choices: list[ChatChunkChoice], usage: UsageInfo | None = None) -> str:
+        return _sse(ChatCompletionChunk(id=head.id, created=head.created, model=head.model,
+                                        choices=choices, usage=usage))
+
+    for i in range(num_choices):
+        yield chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))])
+    results = [ChoiceResult() for _ in range(num_choices)]
+    async for i, out in events:
+        results[i].add(out)
+        if not out.text and not out.finished and not head.want_logprobs:
+            continue
+        yield chunk([ChatChunkChoice(
+            index=i, delta=ChatDelta(content=out.text),
+            finish_reason=out.finish_reason.value if out.finish_reason else None,
+            logprobs=_chat_logprobs(head, list(out.new_token_ids), list(out.logprobs)))])
+    if include_usage:
+        yield chunk([], usage_info(results, head.n))
+    yield "data: [DONE]\n\n"

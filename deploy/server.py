@@ -1,0 +1,134 @@
+"""The engine deployment: each Serve replica hosts one engine behind an `AsyncEngine`.
+
+Placement: with GPU bundles, the replica's placement group is one CPU bundle (this actor) plus
+one GPU bundle per rank, STRICT_PACK, and the ranks' worker actors go into bundles 1..tp. On a
+machine without GPUs a replica with tp 1 runs its one rank in-process (a `LocalExecutor`, no
+placement group); with tp > 1 the ranks take one CPU bundle each.
+
+The engine itself comes from an `EngineFactory`, so tests can serve a different engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import NamedTuple
+
+from ray import serve
+
+from raydix.cluster.async_engine import AsyncEngine
+from raydix.cluster.config import EngineConfig
+from raydix.cluster.engine import Engine
+from raydix.cluster.executor import Executor, LocalExecutor
+from raydix.cluster.metrics import EngineMetrics
+from raydix.cluster.request import GenerationParams, RequestOutput
+
+logger = logging.getLogger(__name__)
+
+EngineFactory = Callable[[EngineConfig, bool], Engine]
+
+
+def replica_bundles(tp_size: int, use_gpu_bundles: bool) -> list[dict[str, float]] | None:
+    """The engine replica's placement-group bundles; None: no placement group (CPU, tp 1)."""
+    if use_gpu_bundles:
+        return [{"CPU": 1.0}] + [{"GPU": 1.0}] * tp_size
+    if tp_size == 1:
+        return None
+    return [{"CPU": 1.0}] + [{"CPU": 1.0}] * tp_size
+
+
+def build_engine(config: EngineConfig, use_gpu_bundles: bool) -> Engine:
+    """The default factory: the model's tokenizer, and the ranks where `replica_bundles` put
+    them (in-process, or worker actors in this replica's placement group)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(config.worker.model_path)
+    executor: Executor
+    if replica_bundles(config.worker.tp_size, use_gpu_bundles) is None:
+        executor = LocalExecutor(config)
+    else:
+        from ray.util import get_current_placement_group
+
+        from raydix.cluster.tp_group import RayTPGroup
+
+        tp = config.worker.tp_size
+        executor = RayTPGroup(
+            [config.rank_config(r) for r in range(tp)],
+            placement_group=get_current_placement_group(),
+            bundle_offset=1,
+            use_gpu=use_gpu_bundles,
+        )
+    return Engine(config, executor=executor, tokenizer=tokenizer)
+
+
+class ReplicaStats(NamedTuple):
+    """One replica's state, for /metrics and for tests."""
+
+    replica_id: str
+    metrics: EngineMetrics
+    num_in_flight: int  # requests handed to this replica and not finished
+    num_rows: int  # request rows held in the KV cache manager
+    num_protected_tokens: int  # prefix-cache tokens locked by running requests
+    kv_capacity: int
+    integrity_error: str | None  # from the cache manager's check, None when consistent
+
+
+def _replica_id() -> str:
+    try:
+        return str(serve.get_replica_context().replica_id.unique_id)
+    except Exception:  # outside Serve (direct use in tests)
+        return uuid.uuid4().hex[:8]
+
+
+def _engine_stats(engine: Engine) -> tuple[EngineMetrics, int, int, int, str | None]:
+    cache = engine.scheduler.cache
+    try:
+        cache.check_integrity()
+        error = None
+    except RuntimeError as e:
+        error = str(e)
+    return engine.metrics(), cache.num_running, cache.size_info.protected_size, cache.capacity, error
+
+
+class EngineServer:
+    """One engine replica. Streams `RequestOutput` lists per request through its handle."""
+
+    def __init__(self, engine_config: EngineConfig, use_gpu_bundles: bool = False,
+                 max_waiting_requests: int = 256,
+                 engine_factory: EngineFactory = build_engine) -> None:
+        self.replica_id = _replica_id()
+        logger.info("replica %s: starting the engine (tp=%d) over %s", self.replica_id,
+                    engine_config.worker.tp_size, engine_config.worker.model_path)
+        engine = engine_factory(engine_config, use_gpu_bundles)
+        self.engine = AsyncEngine(engine, max_waiting_requests=max_waiting_requests)
+        logger.info("replica %s: engine ready", self.replica_id)
+
+    async def generate(self, prompt_ids: Sequence[int], params: GenerationParams,
+                       rid: str) -> AsyncIterator[list[RequestOutput]]:
+        async for outputs in self.engine.generate(prompt_ids, params, rid):
+            yield outputs
+
+    async def abort(self, rid: str) -> None:
+        self.engine.abort(rid)
+
+    async def stats(self) -> ReplicaStats:
+        metrics, num_rows, protected, capacity, error = await self.engine.call(_engine_stats)
+        return ReplicaStats(self.replica_id, metrics, self.engine.num_in_flight, num_rows,
+                            protected, capacity, error)
+
+    async def ping(self) -> bool:
+        """For /health: True while the engine loop runs."""
+        if not self.engine.is_alive:
+            raise RuntimeError("the engine loop is not running")
+        return True
+
+    async def check_health(self) -> None:
+        """Serve's health check: a dead engine loop marks the replica unhealthy."""
+        if not self.engine.is_alive:
+            raise RuntimeError("the engine loop is not running")
+
+    def __del__(self) -> None:
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown()

@@ -1,0 +1,162 @@
+"""The real app on the default model, over HTTP, through the official `openai` client."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from transformers import AutoTokenizer
+
+from raydix.cluster.engine import Engine
+from raydix.cluster.request import GenerationParams
+from raydix.deploy.config import AppConfig, engine_config
+
+from .conftest import MODEL_NAME, ServeCluster
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+PROMPT = "The capital of France is"
+
+
+def app_config(model: Path) -> AppConfig:
+    return AppConfig(model=str(model), served_model_name=MODEL_NAME, device="cpu",
+                     max_total_tokens=8192, max_running_requests=16, max_context_len=512)
+
+
+@pytest.fixture(scope="module")
+def server(serve_cluster: ServeCluster, smollm2: Path) -> Iterator[ServeCluster]:
+    from ray import serve
+
+    from raydix.deploy.app import build_app
+
+    serve.run(build_app(app_config(smollm2)), name="raydix", route_prefix="/")
+    yield serve_cluster
+    serve.delete("raydix")
+
+
+@pytest.fixture(scope="module")
+def client(server: ServeCluster) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0,
+                         timeout=120)
+
+
+@pytest.fixture(scope="module")
+def engine(smollm2: Path) -> Engine:
+    """An in-process engine over the same folder and settings, as the reference."""
+    config = engine_config(app_config(smollm2), str(smollm2), "cpu")
+    return Engine(config, tokenizer=AutoTokenizer.from_pretrained(smollm2))
+
+
+def test_models_and_health(client: openai.OpenAI, server: ServeCluster) -> None:
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL_NAME]
+    assert httpx.get(server.base_url + "/health").json() == {"status": "ok"}
+
+
+def test_completion_equals_engine_greedy(client: openai.OpenAI, engine: Engine) -> None:
+    out = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=8,
+                                    temperature=0)
+    ids = engine.tokenizer.encode(PROMPT)  # type: ignore[union-attr]
+    expected = engine.generate([ids], GenerationParams(max_new_tokens=8))[0]
+    assert out.choices[0].text.startswith(" Paris.")
+    assert out.choices[0].text == engine.tokenizer.decode(expected, skip_special_tokens=True)  # type: ignore[union-attr]
+    assert out.usage is not None
+    assert out.usage.prompt_tokens == len(ids)
+    assert out.usage.completion_tokens == len(expected)
+    assert out.choices[0].finish_reason in ("length", "stop")
+
+
+def test_completion_stream_equals_whole(client: openai.OpenAI) -> None:
+    whole = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=10,
+                                      temperature=0)
+    chunks = list(client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=10,
+                                            temperature=0, stream=True))
+    assert len(chunks) > 2  # token by token, not one block
+    assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+
+
+def test_sse_ends_with_done(server: ServeCluster) -> None:
+    body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 4, "temperature": 0,
+            "stream": True}
+    with httpx.stream("POST", server.base_url + "/v1/completions", json=body,
+                      timeout=60) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    assert all(line.startswith("data: ") for line in lines)
+
+
+def test_chat_completion_and_stream(client: openai.OpenAI, engine: Engine) -> None:
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    whole = client.chat.completions.create(model=MODEL_NAME, messages=messages,  # type: ignore[arg-type]
+                                           max_tokens=12, temperature=0)
+    tok = engine.tokenizer
+    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)  # type: ignore[union-attr]
+    ids = tok.encode(text, add_special_tokens=False)  # type: ignore[union-attr]
+    expected = engine.generate([ids], GenerationParams(max_new_tokens=12))[0]
+    content = whole.choices[0].message.content
+    assert content == tok.decode(expected, skip_special_tokens=True)  # type: ignore[union-attr]
+    assert "Paris" in (content or "")
+    assert whole.choices[0].message.role == "assistant"
+    stream = client.chat.completions.create(model=MODEL_NAME, messages=messages,  # type: ignore[arg-type]
+                                            max_tokens=12, temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == content
+    assert chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == len(expected)
+
+
+def test_stop_string_cuts_text(client: openai.OpenAI) -> None:
+    out = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=16,
+                                    temperature=0, stop=["ris."])
+    assert out.choices[0].text == " Pa"
+    assert out.choices[0].finish_reason == "stop"
+
+
+def test_n_choices_and_seeded_sampling(client: openai.OpenAI) -> None:
+    def sample() -> list[str]:
+        out = client.completions.create(model=MODEL_NAME, prompt="Once upon a time",
+                                        max_tokens=12, temperature=1.0, seed=1234, n=2)
+        assert [c.index for c in out.choices] == [0, 1]
+        return [c.text for c in out.choices]
+
+    first = sample()
+    assert sample() == first  # the same seed gives the same samples
+    assert first[0] != first[1]  # the two samples are not copies
+    greedy = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=6,
+                                       temperature=0, n=2)
+    assert greedy.choices[0].text == greedy.choices[1].text
+    assert greedy.usage is not None
+    assert greedy.usage.completion_tokens == 12 or greedy.choices[0].finish_reason == "stop"
+
+
+def test_logprobs(client: openai.OpenAI) -> None:
+    out = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=4,
+                                    temperature=0, logprobs=1)
+    lp = out.choices[0].logprobs
+    assert lp is not None and lp.tokens is not None and lp.token_logprobs is not None
+    assert "".join(lp.tokens) == out.choices[0].text
+    assert len(lp.token_logprobs) == 4
+    assert all(x <= 0.0 for x in lp.token_logprobs)
+    chat = client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+        temperature=0, logprobs=True)
+    content = chat.choices[0].logprobs
+    assert content is not None and content.content is not None
+    assert len(content.content) == 3
+
+
+def test_cached_tokens_reported(client: openai.OpenAI) -> None:
+    prompt = "A long shared system prompt about geography and capitals of Europe. " * 3
+    client.completions.create(model=MODEL_NAME, prompt=prompt + "Q1", max_tokens=2,
+                              temperature=0)
+    second = client.completions.create(model=MODEL_NAME, prompt=prompt + "Q2", max_tokens=2,
+                                       temperature=0)
+    assert second.usage is not None and second.usage.prompt_tokens_details is not None
+    assert second.usage.prompt_tokens_details.cached_tokens >= 30
