@@ -104,16 +104,20 @@ class Scheduler:
         batch = ScheduledBatch(self._step_id)
         decoding = [r for r in self.running if r.fill_len - r.kv_len == 1]
         prefilling = [r for r in self.running if r.fill_len - r.kv_len > 1]
-        mixed = self.config.enable_mixed_batch
-        if decoding and (mixed or not (prefilling or self.waiting)):
-            self._schedule_decode(batch, decoding)
-        if mixed or not batch.requests:
+        if self.config.enable_mixed_batch:
+            if decoding:
+                self._schedule_decode(batch, decoding)
             schedule_prefill(self, batch, prefilling, self._retracted_now)
+        else:  # prefill steps come first; decode runs when no prompt can go
+            schedule_prefill(self, batch, prefilling, self._retracted_now)
+            if not batch.requests and decoding:
+                self._schedule_decode(batch, decoding)
         self._retracted_now = set()
         if not batch.requests:
-            if self.running and not self.waiting and not decoding:
-                self._retract(self.running[-1])  # a stuck chunked prompt makes room
-            if not batch.requests and not self._freed_rows and not self._table_writes:
+            if self.running:
+                # running prompts hold memory but none can take its next chunk: make room
+                self._retract(self.running[-1])
+            if not self._freed_rows and not self._table_writes:
                 return None
         plan = batch.to_plan(self._table_writes, self._freed_rows)
         self._table_writes, self._freed_rows = [], []

@@ -92,3 +92,34 @@ def test_row_limit_and_token_budget_bound_admission() -> None:
     assert batch_tokens == [10, 10, 10]
     # the third prompt got only the 5 tokens left in the budget: it is still prefilling
     assert [r.kv_len for r in sched.running] == [10, 10, 5]
+
+
+def test_prompts_stuck_in_chunked_prefill_make_room_and_all_finish() -> None:
+    config = SchedulerConfig(
+        max_running_requests=4,
+        max_context_len=64,
+        max_prefill_tokens=32,
+        chunked_prefill_size=16,
+        init_new_token_ratio=0.0,
+        min_new_token_ratio=0.0,
+    )
+    sched = Scheduler(config, num_pages=40)
+    for i in range(3):
+        sched.add_request(_req(f"r{i}", list(range(10 * i + 1, 10 * i + 31)), max_new=3))
+    finished = set()
+    for _ in range(60):
+        if not sched.has_work:
+            break
+        scheduled = sched.schedule()
+        if scheduled is None:
+            continue
+        batch, plan = scheduled
+        n = plan.batch_size
+        outs = sched.process(
+            batch, StepResult(plan.step_id, np.full(n, 7), None, np.zeros(n, bool))
+        )
+        finished |= {o.rid for o in outs if o.finished}
+        sched.cache.check_integrity()
+    assert finished == {"r0", "r1", "r2"}
+    assert sched.stats.num_retractions > 0
+    assert sched.cache.available_size() == sched.cache.capacity
