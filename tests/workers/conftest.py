@@ -100,3 +100,13 @@ def tp2_group() -> Iterator[SpawnedTPGroup]:
     group = SpawnedTPGroup(tp_size=2)
     yield group
     group.close()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    """One intra-op thread in the test process: the machine has 2 cores, the spawned TP ranks
+    take one each, and OpenMP threads that wait on a busy core stall every matmul."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
