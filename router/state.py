@@ -1,0 +1,134 @@
+"""What the router knows: the global prefix tree, and each replica's load.
+
+Exact mode mirrors the replicas' own cache events. Approximate mode (events off) records each
+routing decision in the tree instead, capped at ``max_approx_tokens`` with LRU eviction.
+
+A replica's load is its running plus waiting requests, plus the requests routed to it that it
+has not reported yet (``routed - received``), so a burst routed between two load reports is not
+invisible.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Hashable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+
+from raydix.cache import CacheEvent
+
+from .policy import CacheAwarePolicy, RoutingDecision, RoutingPolicyConfig
+from .tree import GlobalPrefixTree
+
+ReplicaId = Hashable
+
+
+@dataclass
+class ReplicaLoad:
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0
+    num_received: int = 0  # requests the replica has seen, as of its last report
+    num_routed: int = 0  # requests the router sent it
+    last_event_seq: int = -1
+    decisions: int = 0
+    hit_tokens: int = 0
+    prompt_tokens: int = 0
+
+    @property
+    def load(self) -> float:
+        return self.num_running + self.num_waiting + max(0, self.num_routed - self.num_received)
+
+
+@dataclass
+class RouterStats:
+    decision_ns: list[int] = field(default_factory=list)
+
+    def record(self, ns: int) -> None:
+        self.decision_ns.append(ns)
+        if len(self.decision_ns) > 10_000:
+            del self.decision_ns[:5_000]
+
+    def percentile_us(self, q: float) -> float:
+        return float(np.percentile(self.decision_ns, q)) / 1e3 if self.decision_ns else 0.0
+
+
+class RouterState:
+    def __init__(
+        self,
+        page_size: int = 1,
+        policy: RoutingPolicyConfig | None = None,
+        exact: bool = True,
+        max_approx_tokens: int = 4_000_000,
+    ) -> None:
+        self.tree = GlobalPrefixTree(page_size)
+        self.policy = CacheAwarePolicy(policy)
+        self.exact = exact
+        self.max_approx_tokens = max_approx_tokens
+        self.replicas: dict[ReplicaId, ReplicaLoad] = {}
+        self.stats = RouterStats()
+
+    def set_replicas(self, replicas: Iterable[ReplicaId]) -> None:
+        """The live replicas; ones that left are dropped from the tree."""
+        live = set(replicas)
+        for gone in set(self.replicas) - live:
+            self.tree.drop_replica(gone)
+            del self.replicas[gone]
+        for new in live - set(self.replicas):
+            self.replicas[new] = ReplicaLoad()
+
+    def route(
+        self,
+        token_ids: npt.ArrayLike,
+        extra_key: Hashable = None,
+        candidates: Sequence[ReplicaId] | None = None,
+    ) -> RoutingDecision:
+        start = time.perf_counter_ns()
+        names = list(candidates) if candidates is not None else list(self.replicas)
+        for name in names:
+            self.replicas.setdefault(name, ReplicaLoad())
+        tokens = np.asarray(token_ids, dtype=np.int32)
+        matched = self.tree.match(tokens, extra_key)
+        loads = {name: self.replicas[name].load for name in names}
+        decision = self.policy.choose(names, len(tokens), matched, loads)
+        chosen = self.replicas[decision.replica]
+        chosen.num_routed += 1
+        chosen.decisions += 1
+        chosen.prompt_tokens += len(tokens)
+        chosen.hit_tokens += decision.matched_len
+        if not self.exact:
+            aligned = len(tokens) // self.tree.page_size * self.tree.page_size
+            self.tree.insert(decision.replica, tokens[:aligned], extra_key)
+            self.tree.evict_lru(self.max_approx_tokens)
+        self.stats.record(time.perf_counter_ns() - start)
+        return decision
+
+    def publish(self, replica: ReplicaId, events: Sequence[CacheEvent]) -> None:
+        """Apply a batch of a replica's cache events. A gap in their sequence numbers means
+        events were lost: the replica's entries are dropped and rebuilt from what follows."""
+        if not self.exact or replica not in self.replicas:
+            return
+        state = self.replicas[replica]
+        for event in events:
+            if event.seq <= state.last_event_seq:
+                continue
+            if event.seq != state.last_event_seq + 1 and state.last_event_seq >= 0:
+                self.tree.drop_replica(replica)
+            state.last_event_seq = event.seq
+            self.tree.apply_event(replica, event)
+
+    def report_load(
+        self,
+        replica: ReplicaId,
+        num_running: int,
+        num_waiting: int,
+        kv_usage: float,
+        num_received: int,
+    ) -> None:
+        state = self.replicas.get(replica)
+        if state is None:
+            return
+        state.num_running, state.num_waiting = num_running, num_waiting
+        state.kv_usage, state.num_received = kv_usage, num_received
