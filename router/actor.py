@@ -1,0 +1,81 @@
+"""The router actor: one named Ray actor per application holds the ``RouterState``.
+
+Every ingress replica's request router asks this one actor, so they all agree. Engine replicas
+push their cache events and load to it in batches, off the request path. Its methods are
+``async`` and never block on other actors, so a slow caller never stalls the others.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+
+import numpy as np
+import numpy.typing as npt
+import ray
+from ray.actor import ActorHandle
+
+from raydix.cache import CacheEvent
+
+from .policy import RoutingDecision, RoutingPolicyConfig
+from .state import RouterState
+
+ROUTER_ACTOR_PREFIX = "raydix-router"
+
+
+def router_actor_name(app_name: str) -> str:
+    return f"{ROUTER_ACTOR_PREFIX}-{app_name}"
+
+
+class RouterActor:
+    def __init__(
+        self,
+        page_size: int,
+        policy: RoutingPolicyConfig | None = None,
+        exact: bool = True,
+        max_approx_tokens: int = 4_000_000,
+    ) -> None:
+        self.state = RouterState(page_size, policy, exact, max_approx_tokens)
+
+    async def route(
+        self,
+        token_ids: npt.NDArray[np.int32],
+        extra_key: Hashable,
+        candidates: Sequence[str],
+    ) -> RoutingDecision:
+        return self.state.route(token_ids, extra_key, candidates)
+
+    async def set_replicas(self, replicas: Sequence[str]) -> None:
+        self.state.set_replicas(replicas)
+
+    async def publish(self, replica: str, events: Sequence[CacheEvent]) -> None:
+        self.state.publish(replica, events)
+
+    async def report_load(
+        self, replica: str, num_running: int, num_waiting: int, kv_usage: float, num_received: int
+    ) -> None:
+        self.state.report_load(replica, num_running, num_waiting, kv_usage, num_received)
+
+    async def stats(self) -> dict[str, float]:
+        """Decision latency and per-replica hit rates, for /metrics."""
+        out = {
+            "decision_p50_us": self.state.stats.percentile_us(50),
+            "decision_p99_us": self.state.stats.percentile_us(99),
+            "tree_tokens": float(self.state.tree.num_tokens),
+        }
+        for name, load in self.state.replicas.items():
+            if load.prompt_tokens:
+                out[f"hit_rate:{name}"] = load.hit_tokens / load.prompt_tokens
+        return out
+
+
+def get_or_create_router(
+    app_name: str,
+    page_size: int,
+    policy: RoutingPolicyConfig | None = None,
+    exact: bool = True,
+) -> ActorHandle:
+    """The application's router actor, made on first use (detached from its creator)."""
+    remote = ray.remote(num_cpus=0, max_restarts=-1)(RouterActor)
+    return remote.options(  # type: ignore[no-any-return]
+        name=router_actor_name(app_name), get_if_exists=True, lifetime="detached"
+    ).remote(page_size, policy, exact)

@@ -1,0 +1,92 @@
+"""Cache-aware routing inside Ray Serve's request-router interface.
+
+Set on the engine deployment with ``RequestRouterConfig(request_router_class=...)``. For each
+request it asks the application's router actor which replica holds the longest prefix of the
+prompt's token ids (the first argument of ``EngineServer.generate``). If the actor does not
+answer within ``decision_timeout_s`` (or is gone), the least loaded of two random replicas gets
+the request, so routing never waits on the router. Serve keeps health checks, retries and
+autoscaling.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+
+import numpy as np
+import ray
+from ray.actor import ActorHandle
+from ray.serve.request_router import (
+    FIFOMixin,
+    PendingRequest,
+    RequestRouter,
+    RunningReplica,
+)
+
+from .actor import router_actor_name
+
+logger = logging.getLogger(__name__)
+
+
+class CacheAwareRequestRouter(FIFOMixin, RequestRouter):
+    def initialize_state(  # type: ignore[override]
+        self, app_name: str = "raydix", decision_timeout_s: float = 0.05
+    ) -> None:
+        self._actor_name = router_actor_name(app_name)
+        self._decision_timeout_s = decision_timeout_s
+        self._actor: ActorHandle | None = None
+        self.num_fallbacks = 0
+
+    async def choose_replicas(
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
+        if not candidate_replicas:
+            return []
+        prompt = _prompt_ids(pending_request)
+        if prompt is not None:
+            by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+            chosen = await self._ask_router(prompt, _extra_key(pending_request), list(by_id))
+            if chosen is not None and chosen in by_id:
+                first = by_id[chosen]
+                return [[first], [r for r in candidate_replicas if r is not first]]
+        self.num_fallbacks += 1
+        return [self._power_of_two(candidate_replicas)]
+
+    async def _ask_router(
+        self, prompt: np.ndarray, extra_key: object, candidates: list[str]
+    ) -> str | None:
+        try:
+            if self._actor is None:
+                self._actor = ray.get_actor(self._actor_name)
+            ref = self._actor.route.remote(prompt, extra_key, candidates)
+            decision = await asyncio.wait_for(ref, self._decision_timeout_s)
+        except (asyncio.TimeoutError, ValueError, ray.exceptions.RayError) as exc:
+            logger.debug("router actor unavailable (%s); routing by load", exc)
+            self._actor = (
+                None if isinstance(exc, (ValueError, ray.exceptions.RayActorError)) else self._actor
+            )
+            return None
+        return str(decision.replica)
+
+    def _power_of_two(self, replicas: list[RunningReplica]) -> list[RunningReplica]:
+        pair = random.sample(replicas, min(2, len(replicas)))
+        cache = self.replica_queue_len_cache
+        return sorted(pair, key=lambda r: cache.get(r.replica_id) or 0)
+
+
+def _prompt_ids(pending: PendingRequest | None) -> np.ndarray | None:
+    if pending is None or not pending.args:
+        return None
+    first = pending.args[0]
+    if isinstance(first, (list, tuple, np.ndarray)) and len(first):
+        return np.asarray(first, dtype=np.int32)
+    return None
+
+
+def _extra_key(pending: PendingRequest | None) -> object:
+    if pending is None or len(pending.args) < 2:
+        return None
+    return getattr(pending.args[1], "extra_key", None)
