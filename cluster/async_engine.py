@@ -38,7 +38,11 @@ class EngineOverloadedError(RuntimeError):
         super().__init__(
             f"the engine is overloaded ({num_in_flight} requests in flight); retry later"
         )
+        self.num_in_flight = num_in_flight
         self.retry_after_s = retry_after_s
+
+    def __reduce__(self) -> tuple[type[EngineOverloadedError], tuple[int, int]]:
+        return type(self), (self.num_in_flight, self.retry_after_s)  # crosses Ray intact
 
 
 class EngineDeadError(RuntimeError):
