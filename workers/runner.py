@@ -14,6 +14,7 @@ from .kv_pool import KVPool, KVPoolConfig
 from .loader import load_model
 from .parallel import SINGLE_RANK, TPGroup, all_gather_ints, all_reduce_min, head_shard
 from .pool_sizing import kv_cell_size, profile_max_num_tokens
+from .req_table import RequestTable, to_device
 from .sampler import Sampler
 from .step import StepPlan, StepResult
 
@@ -54,8 +55,9 @@ class ModelRunner:
         self.kv_pool = KVPool(KVPoolConfig(num_tokens // config.page_size, config.page_size,
                                            mc.num_layers, heads.num_kv_heads, mc.head_dim, dtype),
                               self.device)
-        self.req_to_token = torch.zeros(config.max_running_requests, config.max_context_len,
-                                        dtype=torch.int32, device=self.device)
+        self.table = RequestTable(config.max_running_requests, config.max_context_len,
+                                  self.kv_pool.config.num_slots, self.device)
+        self.req_to_token = self.table.table  # [max_running_requests, max_context_len] int32
         self.backend: AttentionBackend = make_backend(
             config.attention_backend, self.kv_pool, self.req_to_token, heads.num_q_heads,
             mc.head_dim)
@@ -91,11 +93,17 @@ class ModelRunner:
 
     # ---- the step ---------------------------------------------------------------------------
 
+    def check_plan(self, plan: StepPlan) -> None:
+        """Raise ValueError for a plan outside the table or the pool. The driving rank calls
+        this before broadcasting, so a bad plan never reaches the followers."""
+        self.table.check(plan)
+
     @torch.inference_mode()
     def step(self, plan: StepPlan) -> StepResult | None:
         """Apply the plan's table diffs, run the forward, and (rank 0) sample."""
         if plan.batch_size == 0:
-            self._apply_table_updates(plan)
+            self.table.check(plan)
+            self.table.apply(plan)
             return self._empty_result(plan) if self.config.tp_rank == 0 else None
         logits = self.forward(plan)
         if self.config.tp_rank != 0:
@@ -118,7 +126,8 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, plan: StepPlan) -> torch.Tensor:
         """Logits [B, vocab] of each request's last new token (also used by tests)."""
-        self._apply_table_updates(plan)
+        self.table.check(plan)
+        self.table.apply(plan)
         batch = self._make_batch(plan)
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
             return self.graph_runner.replay(batch)
@@ -140,55 +149,7 @@ class ModelRunner:
             out_cache_loc=self._to_device(plan.out_cache_loc.astype(np.int64)))
 
     def _to_device(self, arr: np.ndarray) -> torch.Tensor:
-        """Host -> device without a sync: through pinned memory (torch's caching host
-        allocator) and a non-blocking copy on CUDA; a no-op view on CPU."""
-        t = torch.from_numpy(arr)
-        if self.device.type != "cuda":
-            return t
-        return t.pin_memory().to(self.device, non_blocking=True)
-
-    def _apply_table_updates(self, plan: StepPlan) -> None:
-        table = self.req_to_token
-        max_rows, max_len = table.shape
-        num_slots = self.kv_pool.config.num_slots
-        if plan.freed_rows:
-            self._check_rows(plan.freed_rows, max_rows)
-            table[torch.tensor(plan.freed_rows, device=self.device)] = 0
-        for w in plan.table_writes:
-            self._check_rows([w.row_idx], max_rows)
-            if w.start < 0 or w.start + len(w.slot_ids) > max_len:
-                raise ValueError(f"table write [{w.start}, {w.start + len(w.slot_ids)}) of row "
-                                 f"{w.row_idx} is outside max_context_len={max_len}")
-            self._check_slots(w.slot_ids, num_slots)
-            table[w.row_idx, w.start: w.start + len(w.slot_ids)] = self._to_device(
-                np.asarray(w.slot_ids, dtype=np.int32))
-        if plan.batch_size == 0:
-            return
-        self._check_rows(plan.row_idx, max_rows)
-        seq_lens = plan.prefix_lens.astype(np.int64) + plan.extend_lens
-        if int(seq_lens.max()) > max_len:
-            raise ValueError(f"a request reaches {int(seq_lens.max())} tokens, over "
-                             f"max_context_len={max_len}")
-        self._check_slots(plan.out_cache_loc, num_slots)
-        extend = plan.extend_lens.astype(np.int64)
-        rows = np.repeat(plan.row_idx.astype(np.int64), extend)
-        cols = np.arange(len(rows)) + np.repeat(plan.prefix_lens - (np.cumsum(extend) - extend),
-                                                 extend)
-        table[self._to_device(rows), self._to_device(cols)] = self._to_device(
-            plan.out_cache_loc.astype(np.int32))
-
-    @staticmethod
-    def _check_rows(rows: np.ndarray | tuple[int, ...] | list[int], max_rows: int) -> None:
-        arr = np.asarray(rows)
-        if len(arr) and (int(arr.min()) < 0 or int(arr.max()) >= max_rows):
-            raise ValueError(f"request rows {arr.tolist()} must be in [0, {max_rows})")
-
-    @staticmethod
-    def _check_slots(slots: np.ndarray, num_slots: int) -> None:
-        arr = np.asarray(slots)
-        if len(arr) and (int(arr.min()) < 0 or int(arr.max()) >= num_slots):
-            raise ValueError(f"slot ids must be in [0, {num_slots}), got [{int(arr.min())}, "
-                             f"{int(arr.max())}]")
+        return to_device(arr, self.device)
 
     @staticmethod
     def _empty_result(plan: StepPlan) -> StepResult:

@@ -7,6 +7,8 @@ plan arrives. The engine calls only rank 0 per step, so there is no per-rank rou
 
 from __future__ import annotations
 
+import torch
+
 from .config import WorkerConfig
 from .parallel import TPGroup, init_tp_group
 from .runner import ModelRunner
@@ -17,6 +19,8 @@ class TPWorker:
     def __init__(self, config: WorkerConfig, rendezvous: str | None = None,
                  group: TPGroup | None = None) -> None:
         """Join the group at `rendezvous` (e.g. "tcp://10.0.0.1:29500"), or use `group`."""
+        if config.device.startswith("cuda") and torch.cuda.is_available():
+            torch.cuda.set_device(torch.device(config.device))  # NCCL binds to this device
         if group is None:
             if config.tp_size > 1 and rendezvous is None:
                 raise ValueError("tp_size > 1 needs a rendezvous address or a group")
@@ -33,6 +37,7 @@ class TPWorker:
         """Driving rank only: share `plan` with the followers and run it."""
         if self.group.tp_rank != 0:
             raise RuntimeError("only rank 0 drives steps; other ranks call follow()")
+        self.runner.check_plan(plan)  # before the broadcast: followers only get valid plans
         result = self.runner.step(broadcast_plan(plan, self.group))
         if result is None:
             raise RuntimeError("rank 0 produced no step result")

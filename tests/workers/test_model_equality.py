@@ -57,6 +57,7 @@ def test_tp2_matches_tp1_and_transformers(tiny_models: dict[str, TinyModel],
     tp2 = tp2_group.run(case)
     tp1, _ = _tp1(case)
     assert tp2.max_num_tokens == tp1.max_num_tokens == 4096
+    assert "request rows" in tp2.bad_plan_error  # and the group went on to pass the cases below
     # rank 0 really holds a shard: half the query heads, half the (padded) vocab and MLP
     one, two = tp1.shard_shapes, tp2.shard_shapes
     qkv = "model.layers.0.self_attn.qkv_proj.weight"

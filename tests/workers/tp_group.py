@@ -40,6 +40,7 @@ class TPCaseResult:
     probe_logits: list[np.ndarray]
     max_num_tokens: int
     shard_shapes: dict[str, tuple[int, ...]]  # rank 0's local parameter shapes (layer 0)
+    bad_plan_error: str  # what rank 0 said to a plan with an out-of-range row
 
 
 def _free_port() -> int:
@@ -59,6 +60,12 @@ def probe_plan(probes: list[list[int]], first_slot: int) -> StepPlan:
 
 def run_case(worker: TPWorker, case: TPCase) -> TPCaseResult:
     """Rank 0's part of a case (also used directly at TP=1)."""
+    bad = StepPlan.build(0, [ScheduledRequest(10_000, 0, [1], [1])])
+    try:
+        worker.step(bad)  # rejected before the broadcast: the followers never see it
+        bad_plan_error = ""
+    except ValueError as e:
+        bad_plan_error = str(e)
     outputs = {m: run_greedy(worker.step, scenario(m, case.prompts, case.max_new_tokens))
                for m in case.modes}
     logits = []
@@ -69,7 +76,7 @@ def run_case(worker: TPWorker, case: TPCase) -> TPCaseResult:
     shapes = {name: tuple(p.shape) for name, p in model.named_parameters()
               if ".layers.0." in name or "embed" in name or "lm_head" in name}
     shapes["kv_pool"] = tuple(worker.runner.kv_pool.k_buffers[0].shape)
-    return TPCaseResult(outputs, logits, worker.max_num_tokens, shapes)
+    return TPCaseResult(outputs, logits, worker.max_num_tokens, shapes, bad_plan_error)
 
 
 def _config(case: TPCase, rank: int, tp_size: int) -> WorkerConfig:

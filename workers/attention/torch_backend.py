@@ -76,11 +76,7 @@ class TorchAttentionBackend(AttentionBackend):
         out = torch.empty_like(q)
         if self._decode is not None:
             d = self._decode
-            qd = q[d.token_idx].unsqueeze(2)  # [Bd, Hq, 1, D]
-            kd = _gather(k_buf, d.slots).transpose(1, 2).to(q.dtype)  # [Bd, Hk, L, D]
-            vd = _gather(v_buf, d.slots).transpose(1, 2).to(q.dtype)
-            res = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=d.mask, enable_gqa=True)
-            out[d.token_idx] = res.squeeze(2)
+            out[d.token_idx] = self._decode_attention(q[d.token_idx], k_buf, v_buf, d)
         for e in self._extends:
             qe = q[e.token_start: e.token_start + e.extend_len].transpose(0, 1)  # [Hq, n, D]
             ke = _gather(k_buf, e.slots).transpose(0, 1).to(q.dtype)  # [Hk, L, D]
@@ -92,6 +88,20 @@ class TorchAttentionBackend(AttentionBackend):
                 qe[None], ke[None], ve[None], attn_mask=e.mask, is_causal=e.mask is None)
             out[e.token_start: e.token_start + e.extend_len] = res[0].transpose(0, 1)
         return out.view(q.shape[0], -1)
+
+    def _decode_attention(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
+                          d: _DecodeGroup) -> torch.Tensor:
+        """One query per request: the query heads that share a KV head become rows of one
+        matmul against that head's keys (no KV expansion; faster than SDPA here on CPU)."""
+        num_req, num_q_heads, head_dim = q.shape
+        k = _gather(k_buf, d.slots).transpose(1, 2).to(q.dtype)  # [Bd, Hk, L, D]
+        v = _gather(v_buf, d.slots).transpose(1, 2).to(q.dtype)
+        num_kv_heads = k.shape[1]
+        qg = q.view(num_req, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
+        scores = torch.matmul(qg, k.transpose(-1, -2)) * head_dim ** -0.5  # [Bd, Hk, G, L]
+        scores = scores.float().masked_fill_(~d.mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(q.dtype)
+        return torch.matmul(probs, v).view(num_req, num_q_heads, head_dim)
 
 
 def _gather(buf: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:

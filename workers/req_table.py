@@ -1,0 +1,87 @@
+"""This rank's copy of the request->token table, kept in step with the engine's from plan diffs.
+
+`table[row, pos]` is the slot holding position `pos` of the request in `row`. Entries past a
+request's length are stale or 0 (the padding slot) and are never read: attention reads positions
+[0, seq_len) only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from .step import StepPlan
+
+
+class RequestTable:
+    def __init__(self, max_running_requests: int, max_context_len: int, num_slots: int,
+                 device: torch.device) -> None:
+        self.table = torch.zeros(max_running_requests, max_context_len, dtype=torch.int32,
+                                 device=device)
+        self.num_slots = num_slots
+        self.device = device
+
+    def check(self, plan: StepPlan) -> None:
+        """Raise ValueError if the plan points outside the table or the pool (host-side only)."""
+        max_rows, max_len = self.table.shape
+        _check_rows(plan.freed_rows, max_rows)
+        for w in plan.table_writes:
+            _check_rows([w.row_idx], max_rows)
+            if w.start < 0 or w.start + len(w.slot_ids) > max_len:
+                raise ValueError(f"table write [{w.start}, {w.start + len(w.slot_ids)}) of row "
+                                 f"{w.row_idx} is outside max_context_len={max_len}")
+            _check_slots(w.slot_ids, self.num_slots)
+        if plan.batch_size == 0:
+            return
+        _check_rows(plan.row_idx, max_rows)
+        if int(np.min(plan.prefix_lens)) < 0:
+            raise ValueError("prefix lengths must be >= 0")
+        longest = int(np.max(plan.prefix_lens.astype(np.int64) + plan.extend_lens))
+        if longest > max_len:
+            raise ValueError(f"a request reaches {longest} tokens, over "
+                             f"max_context_len={max_len}")
+        _check_slots(plan.out_cache_loc, self.num_slots)
+
+    def apply(self, plan: StepPlan) -> None:
+        """Freed rows -> padding slot; table writes; then each new token's slot at its position.
+        One indexed assignment per write, one for the whole batch."""
+        if plan.freed_rows:
+            self.table[self._dev(np.asarray(plan.freed_rows, dtype=np.int64))] = 0
+        for w in plan.table_writes:
+            self.table[w.row_idx, w.start: w.start + len(w.slot_ids)] = self._dev(
+                np.asarray(w.slot_ids, dtype=np.int32))
+        if plan.batch_size == 0:
+            return
+        extend = plan.extend_lens.astype(np.int64)
+        rows = np.repeat(plan.row_idx.astype(np.int64), extend)
+        cols = np.arange(len(rows)) + np.repeat(
+            plan.prefix_lens.astype(np.int64) - (np.cumsum(extend) - extend), extend)
+        self.table[self._dev(rows), self._dev(cols)] = self._dev(
+            plan.out_cache_loc.astype(np.int32))
+
+    def _dev(self, arr: np.ndarray) -> torch.Tensor:
+        return to_device(arr, self.device)
+
+
+def to_device(arr: np.ndarray, device: torch.device) -> torch.Tensor:
+    """Host -> device without a sync: through pinned memory (torch's caching host allocator)
+    and a non-blocking copy on CUDA; a zero-copy view on CPU."""
+    t = torch.from_numpy(np.ascontiguousarray(arr))
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def _check_rows(rows: np.ndarray | Sequence[int], max_rows: int) -> None:
+    arr = np.asarray(rows)
+    if len(arr) and (int(arr.min()) < 0 or int(arr.max()) >= max_rows):
+        raise ValueError(f"request rows {arr.tolist()} must be in [0, {max_rows})")
+
+
+def _check_slots(slots: np.ndarray, num_slots: int) -> None:
+    arr = np.asarray(slots)
+    if len(arr) and (int(arr.min()) < 0 or int(arr.max()) >= num_slots):
+        raise ValueError(f"slot ids must be in [0, {num_slots}), got [{int(arr.min())}, "
+                         f"{int(arr.max())}]")
