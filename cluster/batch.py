@@ -45,7 +45,7 @@ class ScheduledBatch:
                 ScheduledRequest(
                     row_idx=req.row,
                     prefix_len=req.kv_len,
-                    input_ids=req.fill_ids[req.kv_len : req.kv_len + num],
+                    input_ids=req.token_slice(req.kv_len, req.kv_len + num),
                     out_cache_loc=slots,
                     sampling=req.params.sampling,
                 )

@@ -101,6 +101,17 @@ class Request:
             return self.prompt_ids
         return np.concatenate((self.prompt_ids, np.asarray(self.output_ids, dtype=np.int32)))
 
+    def token_slice(self, start: int, end: int) -> npt.NDArray[np.int32]:
+        """``fill_ids[start:end]`` without building the whole of ``fill_ids``."""
+        prompt_len = len(self.prompt_ids)
+        if end <= prompt_len:
+            return self.prompt_ids[start:end]
+        if start >= prompt_len:
+            return np.asarray(
+                self.output_ids[start - prompt_len : end - prompt_len], dtype=np.int32
+            )
+        return self.fill_ids[start:end]
+
     @property
     def fill_len(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
