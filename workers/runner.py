@@ -86,6 +86,7 @@ class ModelRunner:
     def _memory_reading(self) -> tuple[int, int]:
         """(free bytes after weights, total bytes) of this rank's device."""
         if self.device.type == "cuda":
+            torch.cuda.empty_cache()
             free, total = torch.cuda.mem_get_info(self.device)
             return int(free), int(total)
         budget = self.config.cpu_memory_budget_bytes

@@ -22,6 +22,7 @@ from .test_model_equality import MODES, _tp1, _tp1_logits
 from .tp_group import SpawnedTPGroup, TPCase
 
 NEW_TOKENS = 32
+pytestmark = pytest.mark.slow  # the session's GGUF conversion alone takes ~15 s
 
 
 def test_conversion_writes_dequantized_gguf_tensors(default_model: DefaultModel) -> None:
