@@ -36,6 +36,8 @@ class RequestTable:
         if plan.batch_size == 0:
             return
         _check_rows(plan.row_idx, max_rows)
+        if len(np.unique(plan.row_idx)) != plan.batch_size:
+            raise ValueError(f"a request row appears twice in one step: {plan.row_idx.tolist()}")
         if int(np.min(plan.prefix_lens)) < 0:
             raise ValueError("prefix lengths must be >= 0")
         longest = int(np.max(plan.prefix_lens.astype(np.int64) + plan.extend_lens))

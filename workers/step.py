@@ -144,7 +144,11 @@ class StepPlan:
 
 
 class StepResult(NamedTuple):
-    """What the driving rank returns, one entry per request in plan order."""
+    """What the driving rank returns, one entry per request in plan order.
+
+    Every request gets a token, also one whose extend is a middle chunk of its prompt: the engine
+    keeps only the token of a step that reached the end of the prompt (or a decode).
+    """
 
     step_id: int
     next_token_ids: np.ndarray  # [B] int64

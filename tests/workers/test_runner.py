@@ -97,6 +97,8 @@ def test_table_diffs_and_results(runner: ModelRunner) -> None:
 def test_bounds_are_checked(runner: ModelRunner) -> None:
     with pytest.raises(ValueError, match="request rows"):
         runner.step(_plan(0, [ScheduledRequest(4, 0, [1], [4])]))
+    with pytest.raises(ValueError, match="appears twice"):
+        runner.step(_plan(0, [ScheduledRequest(0, 0, [1], [4]), ScheduledRequest(0, 1, [2], [5])]))
     with pytest.raises(ValueError, match="slot ids"):
         runner.step(_plan(0, [ScheduledRequest(0, 0, [1], [204])]))
     with pytest.raises(ValueError, match="max_context_len"):
