@@ -1,23 +1,143 @@
-"""The `raydix` command line."""
+"""The `raydix` command line.
+
+`raydix serve` takes every `AppConfig` field as a flag (`--max-running-requests 32`), or a
+YAML file of them (`--config serve.yaml`; flags win over the file). Without `--address` it
+starts a local Ray inside this process; it logs when the app is ready and serves until Ctrl-C.
+"""
 
 from __future__ import annotations
 
 import argparse
+import logging
+import os
+import signal
 import sys
+import time
+import types
+import typing
+from collections.abc import Sequence
+
+from pydantic import ValidationError
+
+from .config import AppConfig, describe_error, load_yaml, resolve_model_path
+
+logger = logging.getLogger("raydix")
+
+APP_NAME = "raydix"
+_NOT_FLAGS = {"autoscaling"}  # nested settings: YAML only
 
 
-def main(argv: list[str] | None = None) -> int:
+class ConfigError(Exception):
+    """Bad options: reported in one line, never as a traceback."""
+
+
+def _flag_type(annotation: object) -> tuple[bool, list[str] | None]:
+    """(is a plain on/off flag, allowed choices) for a field's annotation."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if annotation is bool:
+        return True, None
+    origin = typing.get_origin(annotation)
+    if origin is typing.Literal:
+        return False, [str(a) for a in typing.get_args(annotation)]
+    if origin in (typing.Union, types.UnionType) and len(args) == 1:
+        return _flag_type(args[0])
+    return False, None
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="raydix", description="raydix LLM inference cluster")
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("serve", help="serve a model over OpenAI-compatible HTTP")
+    serve = sub.add_parser("serve", help="serve a model over OpenAI-compatible HTTP",
+                           argument_default=argparse.SUPPRESS)
+    serve.add_argument("--config", help="a YAML file of these options")
+    for name, field in AppConfig.model_fields.items():
+        if name in _NOT_FLAGS:
+            continue
+        flag = "--" + name.replace("_", "-")
+        is_switch, choices = _flag_type(field.annotation)
+        default = "" if field.default is None else f" (default: {field.default})"
+        options = f"; one of {', '.join(choices)}" if choices else ""
+        help_text = f"{field.description}{options}{default}"
+        if is_switch:
+            serve.add_argument(flag, dest=name, action="store_true", help=help_text)
+        else:
+            serve.add_argument(flag, dest=name, help=help_text)  # AppConfig checks values
+    return parser
+
+
+def load_config(args: argparse.Namespace) -> AppConfig:
+    """The YAML file (if any) with the flags on top, checked by `AppConfig`."""
+    values: dict[str, object] = {}
+    path = getattr(args, "config", None)
+    if path:
+        try:
+            values.update(load_yaml(path))
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"can't read config file {path}: {e}") from e
+    values.update({k: v for k, v in vars(args).items() if k not in ("command", "config")})
+    try:
+        return AppConfig.model_validate(values)
+    except ValidationError as e:
+        raise ConfigError(describe_error(e)) from e
+
+
+def serve_forever(config: AppConfig) -> None:
+    """Start (or join) Ray, deploy the app, log when it is ready, block until Ctrl-C."""
+    import ray
+    from ray import serve
+
+    from .app import build_app
+
+    signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops as cleanly as Ctrl-C
+    logger.info("preparing the model %s", config.model)
+    resolve_model_path(config)  # the default model is converted here, once, with a progress bar
+    if config.address is None:
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a local, single-user instance
+        logger.info("starting a local Ray")
+        ray.init(include_dashboard=False)
+    else:
+        logger.info("joining the Ray cluster at %s", config.address)
+        ray.init(address=config.address)
+    try:
+        serve.start(http_options={"host": config.host, "port": config.port})
+        app = build_app(config)
+        logger.info("deploying %s engine replica(s) with tp=%d; the replicas load the model",
+                    config.replicas if config.autoscaling is None else "autoscaled", config.tp)
+        serve.run(app, name=APP_NAME, route_prefix="/")
+        logger.info("raydix is ready on http://%s:%d (model %r)", config.host, config.port,
+                    config.model_name)
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        logger.info("shutting down")
+    finally:
+        if config.address is None:
+            serve.shutdown()
+        else:
+            serve.delete(APP_NAME)
+        ray.shutdown()
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command == "serve":
-        print(
-            "raydix serve: the HTTP server is not built yet; this release ships the KV cache "
-            "manager (raydix.cache) only.",
-            file=sys.stderr,
-        )
+    if args.command != "serve":
         return 2
+    try:
+        config = load_config(args)
+    except ConfigError as e:
+        print(f"raydix serve: error: {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    try:
+        serve_forever(config)
+    except (FileNotFoundError, ValueError, RuntimeError, ConnectionError) as e:
+        print(f"raydix serve: error: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

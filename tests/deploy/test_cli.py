@@ -1,0 +1,123 @@
+"""`raydix serve`: flags and YAML into one config, one-line errors, and a real start and stop."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import openai
+import pytest
+
+from raydix.deploy.cli import build_parser, load_config, main
+from raydix.deploy.config import AppConfig, engine_config
+
+from .conftest import MODEL_NAME, free_port
+
+
+def parse(*argv: str) -> AppConfig:
+    return load_config(build_parser().parse_args(["serve", *argv]))
+
+
+def test_flags_become_the_config() -> None:
+    config = parse("--model", "/models/x", "--tp", "2", "--replicas", "3", "--port", "9000",
+                   "--page-size", "16", "--schedule-policy", "lpm", "--disable-radix-cache",
+                   "--mem-fraction-static", "0.7", "--api-key", "k")
+    assert (config.model, config.tp, config.replicas, config.port) == ("/models/x", 2, 3, 9000)
+    assert (config.page_size, config.schedule_policy) == (16, "lpm")
+    assert config.disable_radix_cache and config.mem_fraction_static == 0.7
+    assert config.api_key == "k" and config.host == "127.0.0.1"
+    assert config.model_name == "x"
+    assert parse() == AppConfig()
+
+
+def test_yaml_file_with_flags_on_top(tmp_path: Path) -> None:
+    path = tmp_path / "serve.yaml"
+    path.write_text("tp: 2\nport: 9100\nautoscaling:\n  min_replicas: 1\n  max_replicas: 4\n")
+    config = parse("--config", str(path), "--port", "9200")
+    assert (config.tp, config.port) == (2, 9200)
+    assert config.autoscaling is not None and config.autoscaling.max_replicas == 4
+
+
+def test_engine_config_from_app_config(smollm2: Path) -> None:
+    app = AppConfig(model=str(smollm2), page_size=4, max_running_requests=8,
+                    chunked_prefill_size=256, schedule_policy="lpm", disable_radix_cache=True,
+                    mem_fraction_static=0.5, max_context_len=300)
+    engine = engine_config(app, str(smollm2), "cpu")
+    assert engine.worker.page_size == engine.scheduler.page_size == 4
+    assert engine.worker.max_running_requests == engine.scheduler.max_running_requests == 8
+    assert engine.worker.max_context_len == engine.scheduler.max_context_len == 300
+    assert engine.scheduler.chunked_prefill_size == 256
+    assert engine.scheduler.schedule_policy == "lpm"
+    assert not engine.scheduler.enable_prefix_cache
+    assert engine.worker.mem_fraction_static == 0.5
+
+
+@pytest.mark.parametrize(("argv", "named"), [
+    (["--tp", "0"], "tp"),
+    (["--port", "http"], "port"),
+    (["--schedule-policy", "random"], "schedule_policy"),
+    (["--mem-fraction-static", "1.5"], "mem_fraction_static"),
+    (["--device", "tpu"], "device"),
+])
+def test_bad_flag_is_one_line(argv: list[str], named: str,
+                              capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("raydix serve: error:") and "\n" not in err
+    assert named in err
+
+
+def test_bad_yaml_key_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "serve.yaml"
+    path.write_text("tp: 1\nmax_batch: 4\n")
+    assert main(["serve", "--config", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "max_batch" in err and "\n" not in err
+    assert main(["serve", "--config", str(tmp_path / "missing.yaml")]) == 2
+    assert "missing.yaml" in capsys.readouterr().err
+
+
+def test_missing_model_folder_is_one_line(tmp_path: Path,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", "--model", str(tmp_path / "nothing")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "no config.json" in err and "\n" not in err
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_serve_starts_answers_and_stops_on_ctrl_c(smollm2: Path) -> None:
+    port = free_port()
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "raydix.deploy.cli", "serve", "--model", str(smollm2),
+         "--served-model-name", MODEL_NAME, "--port", str(port), "--max-total-tokens", "2048",
+         "--device", "cpu"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    assert proc.stdout is not None
+    try:
+        deadline = time.monotonic() + 120
+        for line in proc.stdout:
+            if f"raydix is ready on http://127.0.0.1:{port}" in line:
+                break
+            assert time.monotonic() < deadline, "no ready line"
+        else:
+            pytest.fail(f"raydix serve exited with {proc.wait()}")
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
+                               max_retries=0)
+        out = client.completions.create(model=MODEL_NAME, prompt="The capital of France is",
+                                        max_tokens=3, temperature=0)
+        assert out.choices[0].text.startswith(" Paris")
+        proc.send_signal(signal.SIGINT)
+        rest, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0, rest[-2000:]
+        assert "shutting down" in rest
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
