@@ -20,15 +20,16 @@ from .base import AttentionBackend, ForwardBatch
 class _ExtendEntry:
     token_start: int
     extend_len: int
-    slots: torch.Tensor  # [seq_len] slot of every position
+    rows: torch.Tensor  # [Hk * seq_len] pool rows (slot * Hk + head), head-major
     mask: torch.Tensor | None  # [extend_len, seq_len] bool, None when plain causal
 
 
 @dataclass
 class _DecodeGroup:
     token_idx: torch.Tensor  # [Bd] packed index of each decode token
-    slots: torch.Tensor  # [Bd, max_len]
-    mask: torch.Tensor  # [Bd, 1, 1, max_len] bool, True = attend
+    rows: torch.Tensor  # [Bd * Hk * max_len] pool rows (slot * Hk + head)
+    max_len: int
+    padding: torch.Tensor  # [Bd, 1, 1, max_len] bool, True = past the request's length
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -38,6 +39,7 @@ class TorchAttentionBackend(AttentionBackend):
         self.req_to_token = req_to_token
         self.num_q_heads = num_q_heads
         self.head_dim = head_dim
+        self.num_kv_heads = pool.config.num_kv_heads
         self.device = req_to_token.device
         self._out_cache_loc: torch.Tensor | None = None
         self._decode: _DecodeGroup | None = None
@@ -53,19 +55,28 @@ class TorchAttentionBackend(AttentionBackend):
             max_len = int(seq_lens[single].max())
             rows = torch.from_numpy(batch.row_idx[single]).to(self.device)
             lens = torch.from_numpy(seq_lens[single]).to(self.device)
-            slots = self.req_to_token[rows, :max_len].long()
-            mask = torch.arange(max_len, device=self.device)[None, :] < lens[:, None]
+            slots = self.req_to_token[rows, :max_len].long()  # [Bd, L]
+            padding = torch.arange(max_len, device=self.device)[None, :] >= lens[:, None]
             self._decode = _DecodeGroup(torch.from_numpy(starts[single]).to(self.device),
-                                        slots, mask[:, None, None, :])
+                                        self._pool_rows(slots[:, None, :]).reshape(-1), max_len,
+                                        padding[:, None, None, :])
         self._extends = []
         for i in np.flatnonzero(batch.extend_lens > 1):
             prefix, ext = int(batch.prefix_lens[i]), int(batch.extend_lens[i])
             slots = self.req_to_token[int(batch.row_idx[i]), : prefix + ext].long()
+            pool_rows = self._pool_rows(slots[None, :]).reshape(-1)  # [Hk * L]
             mask = None
             if prefix:
                 q_pos = torch.arange(ext, device=self.device)[:, None] + prefix
                 mask = torch.arange(prefix + ext, device=self.device)[None, :] <= q_pos
-            self._extends.append(_ExtendEntry(int(starts[i]), ext, slots, mask))
+            self._extends.append(_ExtendEntry(int(starts[i]), ext, pool_rows, mask))
+
+    def _pool_rows(self, slots: torch.Tensor) -> torch.Tensor:
+        """Rows of a layer's pool viewed as [num_slots * Hk, D] for slots [..., 1, L]:
+        [..., Hk, L], so one index_select yields K already in head-major order (no transpose
+        copies before the matmuls)."""
+        heads = torch.arange(self.num_kv_heads, device=self.device)[:, None]
+        return slots * self.num_kv_heads + heads
 
     def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor,
                 v: torch.Tensor) -> torch.Tensor:
@@ -79,8 +90,9 @@ class TorchAttentionBackend(AttentionBackend):
             out[d.token_idx] = self._decode_attention(q[d.token_idx], k_buf, v_buf, d)
         for e in self._extends:
             qe = q[e.token_start: e.token_start + e.extend_len].transpose(0, 1)  # [Hq, n, D]
-            ke = _gather(k_buf, e.slots).transpose(0, 1).to(q.dtype)  # [Hk, L, D]
-            ve = _gather(v_buf, e.slots).transpose(0, 1).to(q.dtype)
+            shape = (self.num_kv_heads, -1, self.head_dim)
+            ke = _gather(k_buf, e.rows).view(shape).to(q.dtype)  # [Hk, L, D]
+            ve = _gather(v_buf, e.rows).view(shape).to(q.dtype)
             if ke.shape[0] != qe.shape[0]:  # expand GQA here: the fused CPU kernels lack it
                 group = qe.shape[0] // ke.shape[0]
                 ke, ve = ke.repeat_interleave(group, 0), ve.repeat_interleave(group, 0)
@@ -94,16 +106,17 @@ class TorchAttentionBackend(AttentionBackend):
         """One query per request: the query heads that share a KV head become rows of one
         matmul against that head's keys (no KV expansion; faster than SDPA here on CPU)."""
         num_req, num_q_heads, head_dim = q.shape
-        k = _gather(k_buf, d.slots).transpose(1, 2).to(q.dtype)  # [Bd, Hk, L, D]
-        v = _gather(v_buf, d.slots).transpose(1, 2).to(q.dtype)
-        num_kv_heads = k.shape[1]
+        num_kv_heads = self.num_kv_heads
+        shape = (num_req, num_kv_heads, d.max_len, head_dim)
+        k = _gather(k_buf, d.rows).view(shape).to(q.dtype)  # [Bd, Hk, L, D]
+        v = _gather(v_buf, d.rows).view(shape).to(q.dtype)
         qg = q.view(num_req, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
         scores = torch.matmul(qg, k.transpose(-1, -2)) * head_dim ** -0.5  # [Bd, Hk, G, L]
-        scores = scores.float().masked_fill_(~d.mask, float("-inf"))
+        scores = scores.float().masked_fill_(d.padding, float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(q.dtype)
         return torch.matmul(probs, v).view(num_req, num_q_heads, head_dim)
 
 
-def _gather(buf: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """buf[slots] for a [..] slot index tensor, as one index_select over the slot dimension."""
-    return buf.index_select(0, slots.reshape(-1)).view(*slots.shape, *buf.shape[1:])
+def _gather(buf: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """K or V at pool rows (see `_pool_rows`): [len(rows), head_dim], contiguous."""
+    return buf.view(-1, buf.shape[-1]).index_select(0, rows)
