@@ -1,0 +1,131 @@
+"""`AsyncEngine` without Serve: streams equal the engine's, overload, refusals, cancellation."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from raydix.cluster.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError
+from raydix.cluster.config import EngineConfig, SchedulerConfig
+from raydix.cluster.engine import Engine
+from raydix.cluster.request import FinishReason, GenerationParams, RequestOutput
+from raydix.workers.config import WorkerConfig
+
+PARAMS = GenerationParams(max_new_tokens=12, ignore_eos=True)
+PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [5, 6, 7, 12, 13], [100, 200, 300, 400, 500]]
+
+
+def make_engine(model: Path, **sched: int) -> Engine:
+    worker = WorkerConfig(model_path=str(model), max_total_tokens=2048)
+    scheduler = SchedulerConfig(**{"max_running_requests": 8, "max_context_len": 256, **sched})
+    engine = Engine(EngineConfig.build(worker, scheduler))
+    engine.step_hook = lambda s: s.cache.check_integrity()
+    return engine
+
+
+@pytest.fixture
+def async_engine(tiny_llama: Path) -> Iterator[AsyncEngine]:
+    engine = AsyncEngine(make_engine(tiny_llama), max_waiting_requests=2)
+    yield engine
+    engine.shutdown()
+
+
+async def _tokens(engine: AsyncEngine, prompt: list[int], rid: str,
+                  params: GenerationParams = PARAMS) -> tuple[list[int], FinishReason | None]:
+    tokens: list[int] = []
+    reason = None
+    async for outputs in engine.generate(prompt, params, rid):
+        for out in outputs:
+            assert out.rid == rid
+            tokens += out.new_token_ids
+            reason = out.finish_reason or reason
+    return tokens, reason
+
+
+def test_concurrent_streams_equal_offline_generate(async_engine: AsyncEngine,
+                                                   tiny_llama: Path) -> None:
+    async def run() -> list[tuple[list[int], FinishReason | None]]:
+        return await asyncio.gather(*(_tokens(async_engine, p, f"r{i}")
+                                      for i, p in enumerate(PROMPTS)))
+
+    results = asyncio.run(run())
+    expected = make_engine(tiny_llama).generate(PROMPTS, PARAMS)
+    assert [tokens for tokens, _ in results] == expected
+    assert all(reason is FinishReason.LENGTH for _, reason in results)
+    assert async_engine.num_in_flight == 0
+
+
+def test_refusals_and_overload(async_engine: AsyncEngine) -> None:
+    async def run() -> None:
+        with pytest.raises(ValueError, match="empty"):
+            await _tokens(async_engine, [], "empty")
+        with pytest.raises(ValueError, match="context limit"):
+            await _tokens(async_engine, list(range(2, 300)), "long")
+        assert async_engine.num_in_flight == 0
+        # fill every place: 8 running + 2 waiting; the next one is refused at once
+        long = GenerationParams(max_new_tokens=200, ignore_eos=True)
+        gens = [async_engine.generate([5, 6, 7], long, f"fill{i}") for i in range(10)]
+        firsts = await asyncio.gather(*(g.__anext__() for g in gens))
+        assert all(isinstance(f[0], RequestOutput) for f in firsts)
+        with pytest.raises(EngineOverloadedError) as info:
+            await async_engine.generate([5], PARAMS, "one-more").__anext__()
+        assert info.value.retry_after_s >= 1
+        for g in gens:
+            await g.aclose()  # leaving early aborts
+        tokens, _ = await _tokens(async_engine, [5, 6], "after")
+        assert len(tokens) == PARAMS.max_new_tokens
+
+    asyncio.run(run())
+
+
+def test_cancelled_consumer_aborts_and_frees_kv(async_engine: AsyncEngine) -> None:
+    async def run() -> tuple[int, int, int]:
+        started = asyncio.Event()
+
+        async def consume() -> None:
+            params = GenerationParams(max_new_tokens=200, ignore_eos=True)
+            async for _ in async_engine.generate([5, 6, 7, 8], params, "victim"):
+                started.set()
+
+        task = asyncio.create_task(consume())
+        await started.wait()
+        rows = await async_engine.call(lambda e: e.scheduler.cache.num_running)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+        def idle(e: Engine) -> tuple[int, int]:
+            e.scheduler.cache.check_integrity()
+            return e.scheduler.cache.num_running, e.scheduler.cache.size_info.protected_size
+
+        after_rows, protected = await async_engine.call(idle)
+        return rows, after_rows, protected
+
+    rows, after_rows, protected = asyncio.run(run())
+    assert rows == 1
+    assert (after_rows, protected) == (0, 0)
+    assert async_engine.num_in_flight == 0
+    assert not async_engine.engine.has_work
+
+
+def test_broken_step_fails_every_caller(tiny_llama: Path) -> None:
+    engine = make_engine(tiny_llama)
+
+    def broken_step() -> list[RequestOutput]:
+        raise RuntimeError("rank 1 is gone")
+
+    engine.step = broken_step  # type: ignore[method-assign]
+    async_engine = AsyncEngine(engine)
+
+    async def run() -> None:
+        with pytest.raises(EngineDeadError, match="rank 1 is gone"):
+            await _tokens(async_engine, [5, 6, 7], "r")
+        with pytest.raises(EngineDeadError):
+            await _tokens(async_engine, [5, 6, 7], "r2")
+
+    asyncio.run(run())
+    assert not async_engine.is_alive
+    async_engine.shutdown()
