@@ -22,21 +22,27 @@ MODES = ("whole", "chunked", "prefix")
 
 def _tp1(case: TPCase) -> tuple[TPCaseResult, TPWorker]:
     worker = TPWorker(WorkerConfig(case.model_path, dtype="float32", max_running_requests=8,
-                                   max_context_len=case.max_context_len, max_total_tokens=4096))
+                                   max_context_len=case.max_context_len, max_total_tokens=4096,
+                                   page_size=case.page_size))
     return run_case(worker, case), worker
 
 
 def _tp1_logits(worker: TPWorker):
     from .tp_group import probe_plan
 
-    return lambda seqs: list(worker.runner.forward(probe_plan(seqs, 1)).float().numpy())
+    first_slot = worker.runner.kv_pool.config.page_size  # after the padding page
+    return lambda seqs: list(worker.runner.forward(probe_plan(seqs, first_slot)).float().numpy())
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3"])
-def test_tp1_matches_transformers(tiny_models: dict[str, TinyModel], name: str) -> None:
+@pytest.mark.parametrize(("name", "page_size"), [("llama", 1), ("llama", 4), ("qwen2", 1),
+                                               ("qwen3", 1)])
+def test_tp1_matches_transformers(tiny_models: dict[str, TinyModel], name: str,
+                                  page_size: int) -> None:
     m = tiny_models[name]
     ref = m.hf.greedy(m.prompts, MAX_NEW_TOKENS)
-    result, worker = _tp1(TPCase(str(m.folder), m.prompts, MAX_NEW_TOKENS, MODES))
+    result, worker = _tp1(TPCase(str(m.folder), m.prompts, MAX_NEW_TOKENS, MODES,
+                                 page_size=page_size))
+    assert result.shard_shapes["kv_pool"][0] == 4096 + page_size  # + the padding page
     for mode in MODES:
         assert_greedy_equal(result.outputs[mode], ref, m.prompts, m.hf, _tp1_logits(worker),
                             f"{name} tp=1 {mode}")

@@ -32,6 +32,7 @@ class TPCase:
     modes: tuple[str, ...] = ("whole", "chunked", "prefix")
     probes: list[list[int]] = field(default_factory=list)  # sequences to return logits for
     max_context_len: int = 256
+    page_size: int = 1
 
 
 @dataclass
@@ -66,11 +67,11 @@ def run_case(worker: TPWorker, case: TPCase) -> TPCaseResult:
         bad_plan_error = ""
     except ValueError as e:
         bad_plan_error = str(e)
-    outputs = {m: run_greedy(worker.step, scenario(m, case.prompts, case.max_new_tokens))
-               for m in case.modes}
+    outputs = {m: run_greedy(worker.step, scenario(m, case.prompts, case.max_new_tokens),
+                             page_size=case.page_size) for m in case.modes}
     logits = []
     if case.probes:
-        plan = broadcast_plan(probe_plan(case.probes, 1), worker.group)
+        plan = broadcast_plan(probe_plan(case.probes, case.page_size), worker.group)
         logits = list(worker.runner.forward(plan).float().cpu().numpy())
     model = worker.runner.model
     shapes = {name: tuple(p.shape) for name, p in model.named_parameters()
@@ -82,7 +83,7 @@ def run_case(worker: TPWorker, case: TPCase) -> TPCaseResult:
 def _config(case: TPCase, rank: int, tp_size: int) -> WorkerConfig:
     return WorkerConfig(case.model_path, tp_rank=rank, tp_size=tp_size, dtype="float32",
                         max_running_requests=8, max_context_len=case.max_context_len,
-                        max_total_tokens=4096)
+                        max_total_tokens=4096, page_size=case.page_size)
 
 
 def _rank_main(rank: int, tp_size: int, address: str, cases: mp.Queue, results: mp.Queue) -> None:
