@@ -58,7 +58,11 @@ class EventBuffer:
         return len(self._events)
 
     def drain(self) -> list[CacheEvent]:
-        """Every buffered event, oldest first; the buffer is then empty."""
-        events = list(self._events)
-        self._events.clear()
-        return events
+        """Every buffered event, oldest first. Safe while another thread appends: an event
+        appended meanwhile is either returned now or left for the next drain, never lost."""
+        events = []
+        while True:
+            try:
+                events.append(self._events.popleft())
+            except IndexError:
+                return events

@@ -37,3 +37,27 @@ def test_router_actor_routes_by_published_events(ray_local: None) -> None:
     stats = ray.get(router.stats.remote())
     assert stats["hit_rate:r1"] == 40 / 50 and stats["decision_p99_us"] > 0
     ray.kill(router, no_restart=True)
+
+
+def test_reporter_feeds_events_and_load_to_the_router(ray_local: None) -> None:
+    from raydix.router.reporter import LoadReport, ReplicaReporter
+
+    router = get_or_create_router("reporter", page_size=1)
+    ray.get(router.set_replicas.remote(["r0", "r1"]))
+    buffers = {r: EventBuffer() for r in ("r0", "r1")}
+    caches = {r: RadixCache(event_sink=buffers[r]) for r in ("r0", "r1")}
+    loads = {"r0": LoadReport(0, 0, 0.0, 0), "r1": LoadReport(0, 0, 0.0, 0)}
+    reporters = {
+        r: ReplicaReporter(router, r, buffers[r].drain, lambda r=r: loads[r]) for r in buffers
+    }
+    caches["r0"].insert(list(range(50, 80)), list(range(1, 31)))
+    assert reporters["r0"].report_once() == 2  # the CLEARED event at start, then the insert
+    assert reporters["r1"].report_once() == 1
+    decision = ray.get(router.route.remote(list(range(50, 90)), None, ["r0", "r1"]))
+    assert (decision.replica, decision.matched_len) == ("r0", 30)
+    # r0 becomes overloaded: the next prompt with the same prefix goes to r1
+    loads["r0"] = LoadReport(60, 20, 0.9, 1)
+    reporters["r0"].report_once()
+    decision = ray.get(router.route.remote(list(range(50, 90)), None, ["r0", "r1"]))
+    assert decision.replica == "r1" and decision.reason == "balance"
+    ray.kill(router, no_restart=True)
