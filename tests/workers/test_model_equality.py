@@ -84,3 +84,26 @@ def test_tp2_matches_tp1_and_transformers(tiny_models: dict[str, TinyModel],
                             strict=True):
         np.testing.assert_allclose(two, one, atol=1e-4, rtol=0)
         np.testing.assert_allclose(two, hf, atol=1e-4, rtol=0)
+
+
+class _FakeHF:
+    def __init__(self, logits: np.ndarray) -> None:
+        self.logits = logits
+
+    def last_logits(self, seqs: list[list[int]]) -> list[np.ndarray]:
+        return [self.logits for _ in seqs]
+
+
+def test_near_tie_rule_accepts_only_ties() -> None:
+    """The equality check forgives a flipped argmax only on a near-tie with matching logits."""
+    tie = np.array([0.0, 5.0, 5.0 - 2e-4, 1.0], dtype=np.float32)
+    with pytest.warns(UserWarning, match="near-tie"):
+        assert_greedy_equal([[1, 2, 2]], [[1, 1, 3]], [[0]], _FakeHF(tie),  # type: ignore[arg-type]
+                            lambda s: [tie + 1e-5], "tie")
+    clear = np.array([0.0, 5.0, 4.0, 1.0], dtype=np.float32)
+    with pytest.raises(AssertionError, match="not a near-tie"):
+        assert_greedy_equal([[2]], [[1]], [[0]], _FakeHF(clear),  # type: ignore[arg-type]
+                            lambda s: [clear], "gap")
+    with pytest.raises(AssertionError, match="not a near-tie"):  # a tie, but logits disagree
+        assert_greedy_equal([[2]], [[1]], [[0]], _FakeHF(tie),  # type: ignore[arg-type]
+                            lambda s: [tie + 0.01], "diff")
