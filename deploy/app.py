@@ -16,10 +16,12 @@ from ray.serve import Application
 from .config import AppConfig, engine_config, resolve_device, resolve_model_path
 from .ingress import OpenAIIngress
 from .server import EngineFactory, EngineServer, build_engine, replica_bundles
+from .stats_board import StatsBoard
 
 API_KEY_ENV = "RAYDIX_API_KEY"
 ENGINE_DEPLOYMENT = "EngineServer"
 INGRESS_DEPLOYMENT = "OpenAIIngress"
+STATS_BOARD_DEPLOYMENT = "StatsBoard"
 MAX_INGRESS_ONGOING_REQUESTS = 4096
 
 
@@ -59,8 +61,12 @@ def build_app(config: AppConfig, engine_factory: EngineFactory = build_engine) -
         **scaling,  # type: ignore[arg-type]
         **placement,  # type: ignore[arg-type]
     )
+    board = serve.deployment(StatsBoard).options(
+        name=STATS_BOARD_DEPLOYMENT, num_replicas=1, ray_actor_options={"num_cpus": 0},
+        max_ongoing_requests=1024,
+    ).bind()
     engine_app = engine_deployment.bind(engine, use_gpu, config.max_waiting_requests,
-                                        engine_factory)
+                                        engine_factory, board)
     ingress = serve.deployment(OpenAIIngress).options(
         name=INGRESS_DEPLOYMENT,
         num_replicas=1,
@@ -68,5 +74,5 @@ def build_app(config: AppConfig, engine_factory: EngineFactory = build_engine) -
         ray_actor_options={"num_cpus": 0},
     )
     api_key = config.api_key or os.environ.get(API_KEY_ENV) or None
-    return ingress.bind(engine_app, model_path, config.model_name,
+    return ingress.bind(engine_app, board, model_path, config.model_name,
                         engine.scheduler.max_context_len, config.max_request_bytes, api_key)

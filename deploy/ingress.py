@@ -64,12 +64,13 @@ async def _api_error(_: Request, error: ApiError) -> JSONResponse:
 
 @serve.ingress(app)
 class OpenAIIngress:
-    def __init__(self, engine: DeploymentHandle, model_path: str, model_name: str,
-                 max_context_len: int, max_request_bytes: int,
-                 api_key: str | None = None) -> None:
+    def __init__(self, engine: DeploymentHandle, stats_board: DeploymentHandle,
+                 model_path: str, model_name: str, max_context_len: int,
+                 max_request_bytes: int, api_key: str | None = None) -> None:
         from transformers import AutoTokenizer
 
         self.engine = engine
+        self.stats_board = stats_board
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.model_name = model_name
         self.max_context_len = max_context_len
@@ -86,8 +87,8 @@ class OpenAIIngress:
 
     @app.get("/metrics")
     async def prometheus(self) -> PlainTextResponse:
-        stats = await self.engine.stats.remote()
-        return PlainTextResponse(render_metrics(self.metrics, [stats]),
+        stats = await self.stats_board.snapshot.remote()
+        return PlainTextResponse(render_metrics(self.metrics, stats),
                                  media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")

@@ -10,12 +10,15 @@ The engine itself comes from an `EngineFactory`, so tests can serve a different 
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import NamedTuple
 
 from ray import serve
+from ray.serve.handle import DeploymentHandle
 
 from raydix.cluster.async_engine import AsyncEngine
 from raydix.cluster.config import EngineConfig
@@ -96,13 +99,27 @@ class EngineServer:
 
     def __init__(self, engine_config: EngineConfig, use_gpu_bundles: bool = False,
                  max_waiting_requests: int = 256,
-                 engine_factory: EngineFactory = build_engine) -> None:
+                 engine_factory: EngineFactory = build_engine,
+                 stats_board: DeploymentHandle | None = None,
+                 report_period_s: float = 1.0) -> None:
         self.replica_id = _replica_id()
         logger.info("replica %s: starting the engine (tp=%d) over %s", self.replica_id,
                     engine_config.worker.tp_size, engine_config.worker.model_path)
         engine = engine_factory(engine_config, use_gpu_bundles)
         self.engine = AsyncEngine(engine, max_waiting_requests=max_waiting_requests)
         logger.info("replica %s: engine ready", self.replica_id)
+        self._reporter: asyncio.Task[None] | None = None
+        if stats_board is not None:  # the constructor runs on the replica's event loop
+            self._reporter = asyncio.get_running_loop().create_task(
+                self._report(stats_board, report_period_s))
+
+    async def _report(self, board: DeploymentHandle, period_s: float) -> None:
+        while True:
+            try:
+                await board.report.remote(await self.stats())
+            except Exception as e:  # the board restarts or the engine stopped: try again
+                logger.debug("replica %s: stats not reported: %r", self.replica_id, e)
+            await asyncio.sleep(period_s)
 
     async def generate(self, prompt_ids: Sequence[int], params: GenerationParams,
                        rid: str) -> AsyncIterator[list[RequestOutput]]:
@@ -129,6 +146,10 @@ class EngineServer:
             raise RuntimeError("the engine loop is not running")
 
     def __del__(self) -> None:
+        reporter = getattr(self, "_reporter", None)
+        if reporter is not None:
+            with contextlib.suppress(RuntimeError):  # the loop may be closed already
+                reporter.cancel()
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()

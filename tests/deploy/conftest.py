@@ -1,4 +1,4 @@
-"""Serve fixtures: the default model converted once, one Ray + Serve per test module."""
+"""Serve fixtures: the default model converted once, one Ray + Serve per session."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 MODEL_NAME = "smollm2"
+NUM_FAKE_GPUS = 4
 
 
 @pytest.fixture(scope="session")
@@ -40,12 +41,14 @@ class ServeCluster:
         self.base_url = f"http://127.0.0.1:{port}"
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def serve_cluster() -> Iterator[ServeCluster]:
+    """One Ray + Serve for the whole session (starting one takes ~12 s on 2 cores); each
+    module deploys its own apps and deletes them at its end. 4 fake GPUs for the TP test."""
     import ray
     from ray import serve
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=2, num_gpus=NUM_FAKE_GPUS, include_dashboard=False, log_to_driver=False)
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:

@@ -27,6 +27,7 @@ def server(serve_cluster: ServeCluster, smollm2: Path) -> Iterator[str]:
     """Two apps: a guarded one at / (API key, short context, small body limit) and one at
     /tiny that admits a single request at a time."""
     from ray import serve
+    from ray.serve.api import RunTarget
 
     from raydix.deploy.app import build_app
 
@@ -37,8 +38,8 @@ def server(serve_cluster: ServeCluster, smollm2: Path) -> Iterator[str]:
                         **common)  # type: ignore[arg-type]
     tiny = AppConfig(max_running_requests=1, max_waiting_requests=0, max_context_len=512,
                      **common)  # type: ignore[arg-type]
-    serve.run(build_app(guarded), name="guarded", route_prefix="/")
-    serve.run(build_app(tiny), name="tiny", route_prefix="/tiny")
+    serve.run_many([RunTarget(build_app(guarded), name="guarded", route_prefix="/"),
+                    RunTarget(build_app(tiny), name="tiny", route_prefix="/tiny")])
     yield serve_cluster.base_url
     serve.delete("guarded")
     serve.delete("tiny")
