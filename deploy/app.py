@@ -5,9 +5,7 @@
     serve run raydix.deploy.app:build_app model=default tp=1
 """
 
-from __future__ import annotations
-
-import os
+import os  # no `from __future__ import annotations`: `serve run` reads build_app's annotation
 
 import ray
 from ray import serve
@@ -33,9 +31,14 @@ def _cluster_gpus() -> float:
     return float(torch.cuda.device_count())
 
 
-def build_app(config: AppConfig, engine_factory: EngineFactory = build_engine) -> Application:
-    """Bind the engine deployment and the ingress for `config` (the default model is
-    converted here, once, before any replica starts)."""
+def build_app(config: AppConfig) -> Application:
+    """The app for `config` (Serve's builder: `serve run raydix.deploy.app:build_app k=v`)."""
+    return bind_app(config)
+
+
+def bind_app(config: AppConfig, engine_factory: EngineFactory = build_engine) -> Application:
+    """Bind the stats board, the engine deployment (engines made by `engine_factory`) and the
+    ingress for `config`. The default model is converted here, once, before any replica."""
     model_path = resolve_model_path(config)
     device = resolve_device(config, _cluster_gpus())
     use_gpu = config.use_gpu_bundles if config.use_gpu_bundles is not None else device == "cuda"

@@ -7,6 +7,7 @@ server-sent events ending with `data: [DONE]`. Every refusal is an OpenAI error 
 
 
 import hmac
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -27,6 +28,8 @@ from .metrics import IngressMetrics, render_metrics
 from .openai_schema import (
     ChatCompletionRequest,
     CompletionRequest,
+    ErrorInfo,
+    ErrorResponse,
     ModelCard,
     ModelList,
 )
@@ -42,15 +45,23 @@ from .responses import (
 B = TypeVar("B", bound=BaseModel)
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
+logger = logging.getLogger(__name__)
 app = FastAPI(title="raydix", docs_url=None, redoc_url=None)
 
 
-async def _close_after(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
-    """Pass chunks through; when the client goes away mid-stream, close the source so the
-    engine requests are aborted at once."""
+async def _guard_stream(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+    """Pass SSE chunks through. A failure after the stream began becomes an error event (the
+    status line is sent already); a client that went away closes the source at once, which
+    aborts the engine requests."""
     try:
         async for chunk in chunks:
             yield chunk
+    except Exception as e:
+        logger.exception("a stream failed")
+        body = ErrorResponse(error=ErrorInfo(message=f"the stream failed: {e}",
+                                             type="server_error", code="stream_failed"))
+        yield f"data: {body.model_dump_json()}\n\n"
+        yield "data: [DONE]\n\n"
     finally:
         close = getattr(chunks, "aclose", None)
         if close is not None:
@@ -60,6 +71,13 @@ async def _close_after(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
 @app.exception_handler(ApiError)
 async def _api_error(_: Request, error: ApiError) -> JSONResponse:
     return error.response()
+
+
+@app.exception_handler(Exception)
+async def _server_error(_: Request, error: Exception) -> JSONResponse:
+    logger.exception("a request failed")
+    return ApiError(500, f"internal error: {type(error).__name__}: {error}",
+                    type="server_error", code="internal_error").response()
 
 
 @serve.ingress(app)
@@ -82,7 +100,11 @@ class OpenAIIngress:
     # ------------------------------------------------------------------------ endpoints
     @app.get("/health")
     async def health(self) -> dict[str, str]:
-        await self.engine.ping.remote()
+        try:
+            await self.engine.ping.remote()
+        except Exception as e:
+            raise ApiError(503, f"the engine is not available: {e}", type="server_error",
+                           code="engine_unavailable", headers={"Retry-After": "5"}) from e
         return {"status": "ok"}
 
     @app.get("/metrics")
@@ -99,6 +121,15 @@ class OpenAIIngress:
 
     @app.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
+        with self.metrics.count_errors("completions"):
+            return await self._completions(request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request) -> Response:
+        with self.metrics.count_errors("chat_completions"):
+            return await self._chat_completions(request)
+
+    async def _completions(self, request: Request) -> Response:
         self._check_auth(request)
         body = await self._parse(request, CompletionRequest)
         self._check_model(body.model)
@@ -107,8 +138,7 @@ class OpenAIIngress:
         params = self._params(body, prompts, max_tokens, "prompt", body.logprobs is not None)
         return await self._generate("cmpl", body, prompts, params, chat=False)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(self, request: Request) -> Response:
+    async def _chat_completions(self, request: Request) -> Response:
         self._check_auth(request)
         body = await self._parse(request, ChatCompletionRequest)
         self._check_model(body.model)
@@ -130,16 +160,12 @@ class OpenAIIngress:
                             token_text=self._token_text)
         track = self.metrics.track(chat)
         streams = ChoiceStreams(self.engine, choices)
-        try:
-            await streams.start()
-        except ApiError as e:
-            track.done(e.status)
-            raise
+        await streams.start()
         events = track.watch(streams.events())
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             sse = chat_sse if chat else completion_sse
-            return StreamingResponse(_close_after(sse(head, events, len(choices), include_usage)),
+            return StreamingResponse(_guard_stream(sse(head, events, len(choices), include_usage)),
                                      media_type="text/event-stream")
         results = await collect(events, len(choices))
         answer = chat_response(head, results) if chat else completion_response(head, results)

@@ -8,13 +8,15 @@ the replica id.
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
 from raydix.cluster.request import RequestOutput
 
+from .errors import ApiError
 from .server import ReplicaStats
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -39,6 +41,18 @@ class IngressMetrics:
                               "tokens of a request", buckets=_LATENCY_BUCKETS, registry=r)
         self.latency = Histogram("raydix_request_latency_seconds", "request start to last token",
                                  buckets=_LATENCY_BUCKETS, registry=r)
+
+    @contextlib.contextmanager
+    def count_errors(self, endpoint: str) -> Iterator[None]:
+        """Count a refused or failed request under its HTTP status."""
+        try:
+            yield
+        except ApiError as e:
+            self.requests.labels(endpoint, str(e.status)).inc()
+            raise
+        except Exception:
+            self.requests.labels(endpoint, "500").inc()
+            raise
 
     def track(self, chat: bool) -> RequestTracker:
         return RequestTracker(self, "chat_completions" if chat else "completions")

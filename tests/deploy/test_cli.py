@@ -42,6 +42,26 @@ def test_yaml_file_with_flags_on_top(tmp_path: Path) -> None:
     assert config.autoscaling is not None and config.autoscaling.max_replicas == 4
 
 
+def test_example_yaml_is_valid() -> None:
+    example = Path(__file__).resolve().parents[2] / "deploy" / "serve-example.yaml"
+    config = parse("--config", str(example))
+    assert config.schedule_policy == "lpm" and config.port == 8000
+
+
+def test_serve_run_builder_takes_typed_args(smollm2: Path) -> None:
+    """`serve run raydix.deploy.app:build_app k=v` goes through this Serve function."""
+    from ray.serve import Application
+    from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
+
+    from raydix.deploy.app import build_app
+
+    app = call_user_app_builder_with_args_if_necessary(
+        build_app, {"model": str(smollm2), "tp": "1", "device": "cpu"})
+    assert isinstance(app, Application)
+    with pytest.raises(ValueError, match="tp"):
+        call_user_app_builder_with_args_if_necessary(build_app, {"tp": 0})
+
+
 def test_engine_config_from_app_config(smollm2: Path) -> None:
     app = AppConfig(model=str(smollm2), page_size=4, max_running_requests=8,
                     chunked_prefill_size=256, schedule_policy="lpm", disable_radix_cache=True,

@@ -106,6 +106,11 @@ def test_malformed_json_and_chat_errors(server: str) -> None:
                                                                "content": "hi"}]})
     assert str(error_of(role, 400)["param"]).startswith("messages.0.role")
     assert_healthy(server)
+    metrics = httpx.get(server + "/metrics", timeout=30).text.splitlines()
+    refused = [line for line in metrics
+               if line.startswith('raydix_requests_total{endpoint="chat_completions",'
+                                  'status="400"}')]
+    assert refused and float(refused[0].split()[-1]) >= 2
 
 
 def test_body_over_limit_is_413(server: str) -> None:
