@@ -67,6 +67,7 @@ def bind_app(config: AppConfig, engine_factory: EngineFactory = build_engine) ->
     board = serve.deployment(StatsBoard).options(
         name=STATS_BOARD_DEPLOYMENT, num_replicas=1, ray_actor_options={"num_cpus": 0},
         max_ongoing_requests=1024,
+        logging_config={"enable_access_log": False},  # a report per replica per second
     ).bind()
     engine_app = engine_deployment.bind(engine, use_gpu, config.max_waiting_requests,
                                         engine_factory, board)
