@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import TypeVar, cast
 
 from .engine import Engine
 from .request import GenerationParams, RequestOutput
@@ -83,6 +84,8 @@ class AsyncEngine:
         self._wake = threading.Condition()
         self._sinks: dict[str, _Sink] = {}  # loop thread only
         self._stopped = False
+        self._closed = False  # the loop thread has ended; commands are answered at once
+        self._closed_reason = ""
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="raydix-engine-loop", daemon=True)
         self._thread.start()
@@ -128,7 +131,7 @@ class AsyncEngine:
         self._check_alive()
         future: concurrent.futures.Future[object] = concurrent.futures.Future()
         self._send(_Call(fn, future))
-        return await asyncio.wrap_future(future)  # type: ignore[return-value]
+        return cast(T, await asyncio.wrap_future(future))
 
     @property
     def is_alive(self) -> bool:
@@ -143,8 +146,11 @@ class AsyncEngine:
 
     def _send(self, command: _Add | _Abort | _Call) -> None:
         with self._wake:
-            self._commands.append(command)
-            self._wake.notify()
+            if not self._closed:
+                self._commands.append(command)
+                self._wake.notify()
+                return
+        _fail(command, EngineDeadError(self._closed_reason))
 
     def _check_alive(self) -> None:
         if self._error is not None:
@@ -154,6 +160,7 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------ loop-thread side
     def _run(self) -> None:
+        reason = "the engine is shut down"
         try:
             while True:
                 with self._wake:
@@ -169,20 +176,23 @@ class AsyncEngine:
         except BaseException as e:  # a broken step: every waiting caller learns why
             logger.exception("the engine loop stopped")
             self._error = e
-            for sink in self._sinks.values():
-                sink(EngineDeadError(f"the engine loop stopped: {e!r}"))
-            self._sinks.clear()
-            with self._wake:
-                calls = [c for c in self._commands if isinstance(c, _Call)]
-            for c in calls:
-                c.future.set_exception(EngineDeadError(f"the engine loop stopped: {e!r}"))
+            reason = f"the engine loop stopped: {e!r}"
+        with self._wake:
+            self._closed = True
+            self._closed_reason = reason
+            pending, self._commands = self._commands, []
+        for sink in self._sinks.values():
+            _deliver(sink, EngineDeadError(reason))
+        self._sinks.clear()
+        for command in pending:
+            _fail(command, EngineDeadError(reason))
 
     def _apply(self, command: _Add | _Abort | _Call) -> None:
         if isinstance(command, _Add):
             try:
                 self.engine.add_request(command.prompt_ids, command.params, command.rid)
             except ValueError as e:
-                command.sink(e)
+                _deliver(command.sink, e)
                 return
             self._sinks[command.rid] = command.sink
         elif isinstance(command, _Abort):
@@ -204,4 +214,16 @@ class AsyncEngine:
                 continue  # aborted meanwhile
             if any(out.finished for out in outs):
                 del self._sinks[rid]
-            sink(outs)
+            _deliver(sink, outs)
+
+
+def _deliver(sink: _Sink, item: list[RequestOutput] | BaseException) -> None:
+    with contextlib.suppress(RuntimeError):  # the caller's event loop is closed: nobody waits
+        sink(item)
+
+
+def _fail(command: _Add | _Abort | _Call, error: EngineDeadError) -> None:
+    if isinstance(command, _Add):
+        _deliver(command.sink, error)
+    elif isinstance(command, _Call) and not command.future.done():
+        command.future.set_exception(error)

@@ -23,7 +23,7 @@ from .errors import ApiError, bad_request, overloaded
 
 
 class Choice(NamedTuple):
-    index: int
+    choice_idx: int  # position in the response: prompt_idx * n + sample
     prompt_ids: list[int]
     params: GenerationParams
     rid: str
@@ -36,9 +36,9 @@ def make_choices(request_id: str, prompts: Sequence[list[int]], params: Generati
         for i in range(n):
             seed = params.sampling.seed
             sampling = params.sampling if seed is None else replace(params.sampling, seed=seed + i)
-            index = p * n + i
-            choices.append(Choice(index, prompt_ids, replace(params, sampling=sampling),
-                                  f"{request_id}-{index}"))
+            choice_idx = p * n + i
+            choices.append(Choice(choice_idx, prompt_ids, replace(params, sampling=sampling),
+                                  f"{request_id}-{choice_idx}"))
     return choices
 
 

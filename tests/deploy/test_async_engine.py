@@ -129,3 +129,21 @@ def test_broken_step_fails_every_caller(tiny_llama: Path) -> None:
     asyncio.run(run())
     assert not async_engine.is_alive
     async_engine.shutdown()
+
+
+def test_shutdown_fails_waiting_callers(tiny_llama: Path) -> None:
+    async_engine = AsyncEngine(make_engine(tiny_llama))
+
+    async def run() -> None:
+        params = GenerationParams(max_new_tokens=200, ignore_eos=True)
+        gen = async_engine.generate([5, 6, 7], params, "r")
+        await gen.__anext__()
+        await asyncio.get_running_loop().run_in_executor(None, async_engine.shutdown)
+        with pytest.raises(EngineDeadError, match="shut down"):
+            while True:
+                await gen.__anext__()
+        with pytest.raises(EngineDeadError):
+            await async_engine.call(lambda e: e.has_work)
+
+    asyncio.run(run())
+    assert not async_engine.is_alive
