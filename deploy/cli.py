@@ -81,6 +81,14 @@ def load_config(args: argparse.Namespace) -> AppConfig:
         raise ConfigError(describe_error(e)) from e
 
 
+def local_cpus_needed(config: AppConfig) -> int:
+    """Logical CPUs the app reserves on a machine without GPUs: one per replica, plus one
+    per rank when tp > 1. A local Ray gets at least this many, so that tp 2 fits on 2 cores
+    (the ranks share the cores; Ray's CPUs are only a count)."""
+    replicas = config.autoscaling.max_replicas if config.autoscaling else config.replicas
+    return replicas * (1 + (config.tp if config.tp > 1 else 0))
+
+
 def serve_forever(config: AppConfig) -> None:
     """Start (or join) Ray, deploy the app, log when it is ready, block until Ctrl-C."""
     import ray
@@ -93,8 +101,9 @@ def serve_forever(config: AppConfig) -> None:
     resolve_model_path(config)  # the default model is converted here, once, with a progress bar
     if config.address is None:
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a local, single-user instance
-        logger.info("starting a local Ray")
-        ray.init(include_dashboard=False)
+        num_cpus = max(os.cpu_count() or 1, local_cpus_needed(config))
+        logger.info("starting a local Ray (%d CPUs)", num_cpus)
+        ray.init(num_cpus=num_cpus, include_dashboard=False)
     else:
         logger.info("joining the Ray cluster at %s", config.address)
         ray.init(address=config.address)

@@ -12,7 +12,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from raydix.deploy.cli import build_parser, load_config, main
+from raydix.deploy.cli import build_parser, load_config, local_cpus_needed, main
 from raydix.deploy.config import AppConfig, engine_config
 
 from .conftest import MODEL_NAME, free_port
@@ -40,6 +40,12 @@ def test_yaml_file_with_flags_on_top(tmp_path: Path) -> None:
     config = parse("--config", str(path), "--port", "9200")
     assert (config.tp, config.port) == (2, 9200)
     assert config.autoscaling is not None and config.autoscaling.max_replicas == 4
+
+
+def test_local_ray_reserves_a_cpu_per_replica_and_rank() -> None:
+    assert local_cpus_needed(AppConfig()) == 1  # tp 1 on CPU runs inside the replica
+    assert local_cpus_needed(AppConfig(tp=2)) == 3
+    assert local_cpus_needed(AppConfig(tp=2, replicas=2)) == 6
 
 
 def test_example_yaml_is_valid() -> None:
