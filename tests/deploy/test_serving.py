@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,6 +12,8 @@ import httpx
 import openai
 import pytest
 
+from raydix.cluster.config import EngineConfig
+from raydix.cluster.engine import Engine
 from raydix.deploy.config import AppConfig
 
 from .conftest import MODEL_NAME, ServeCluster
@@ -20,15 +23,26 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 APP = "serving"
 
 
+def checked_engine(config: EngineConfig, use_gpu_bundles: bool) -> Engine:
+    """The default engine, checking the KV cache's integrity after every step (a broken
+    invariant stops the engine loop, and the requests in flight fail)."""
+    from raydix.deploy.server import build_engine
+
+    engine = build_engine(config, use_gpu_bundles)
+    engine.step_hook = lambda scheduler: scheduler.cache.check_integrity()
+    return engine
+
+
 @pytest.fixture(scope="module")
 def server(serve_cluster: ServeCluster, smollm2: Path) -> Iterator[str]:
-    from ray import serve
+    from ray import cloudpickle, serve
 
-    from raydix.deploy.app import build_app
+    from raydix.deploy.app import bind_app
 
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # replicas can't import tests
     config = AppConfig(model=str(smollm2), served_model_name=MODEL_NAME, device="cpu",
                        max_total_tokens=8192, max_running_requests=64, max_context_len=1024)
-    serve.run(build_app(config), name=APP, route_prefix="/")
+    serve.run(bind_app(config, engine_factory=checked_engine), name=APP, route_prefix="/")
     yield serve_cluster.base_url
     serve.delete(APP)
 
