@@ -13,7 +13,7 @@ from ray.serve import Application
 
 from .config import AppConfig, engine_config, resolve_device, resolve_model_path
 from .ingress import OpenAIIngress
-from .server import EngineFactory, EngineServer, build_engine, replica_bundles
+from .server import EngineFactory, EngineServer, ReplicaSettings, build_engine, replica_bundles
 from .stats_board import StatsBoard
 
 API_KEY_ENV = "RAYDIX_API_KEY"
@@ -69,14 +69,21 @@ def bind_app(config: AppConfig, engine_factory: EngineFactory = build_engine) ->
         max_ongoing_requests=1024,
         logging_config={"enable_access_log": False},  # a report per replica per second
     ).bind()
-    engine_app = engine_deployment.bind(engine, use_gpu, config.max_waiting_requests,
-                                        engine_factory, board)
+    settings = ReplicaSettings(use_gpu_bundles=use_gpu,
+                               max_waiting_requests=config.max_waiting_requests,
+                               startup_timeout_s=config.startup_timeout_s)
+    engine_app = engine_deployment.bind(engine, settings, engine_factory, board)
     ingress = serve.deployment(OpenAIIngress).options(
         name=INGRESS_DEPLOYMENT,
-        num_replicas=1,
+        num_replicas=config.ingress_replicas,
         max_ongoing_requests=MAX_INGRESS_ONGOING_REQUESTS,
         ray_actor_options={"num_cpus": 0},
     )
-    api_key = config.api_key or os.environ.get(API_KEY_ENV) or None
     return ingress.bind(engine_app, board, model_path, config.model_name,
-                        engine.scheduler.max_context_len, config.max_request_bytes, api_key)
+                        engine.scheduler.max_context_len, config.max_request_bytes,
+                        api_key_of(config))
+
+
+def api_key_of(config: AppConfig) -> str | None:
+    """The key clients must send: `config.api_key`, else $RAYDIX_API_KEY, else none."""
+    return config.api_key or os.environ.get(API_KEY_ENV) or None

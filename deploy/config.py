@@ -58,6 +58,7 @@ class AppConfig(BaseModel):
     # replicas and ranks
     tp: int = Field(1, ge=1, description="tensor-parallel ranks per replica")
     replicas: int = Field(1, ge=1, description="engine replicas (ignored with autoscaling)")
+    ingress_replicas: int = Field(1, ge=1, description="HTTP ingress replicas (tokenize, stream)")
     autoscaling: AutoscalingSettings | None = Field(
         None, description="let Serve scale the engine replicas"
     )

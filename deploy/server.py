@@ -15,6 +15,7 @@ import contextlib
 import logging
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
 from typing import NamedTuple
 
 from ray import serve
@@ -29,7 +30,18 @@ from raydix.cluster.request import GenerationParams, RequestOutput
 
 logger = logging.getLogger(__name__)
 
-EngineFactory = Callable[[EngineConfig, bool], Engine]
+
+
+@dataclass(frozen=True)
+class ReplicaSettings:
+    """How an engine replica runs, beyond the engine's own config."""
+
+    use_gpu_bundles: bool = False  # ranks sit in GPU bundles (else CPU / in-process)
+    max_waiting_requests: int = 256  # admission bound beyond the running requests
+    startup_timeout_s: float = 600.0  # bound on starting the ranks
+
+
+EngineFactory = Callable[[EngineConfig, ReplicaSettings], Engine]
 
 
 def replica_bundles(tp_size: int, use_gpu_bundles: bool) -> list[dict[str, float]] | None:
@@ -41,14 +53,14 @@ def replica_bundles(tp_size: int, use_gpu_bundles: bool) -> list[dict[str, float
     return [{"CPU": 1.0}] + [{"CPU": 1.0}] * tp_size
 
 
-def build_engine(config: EngineConfig, use_gpu_bundles: bool) -> Engine:
+def build_engine(config: EngineConfig, settings: ReplicaSettings) -> Engine:
     """The default factory: the model's tokenizer, and the ranks where `replica_bundles` put
     them (in-process, or worker actors in this replica's placement group)."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(config.worker.model_path)
     executor: Executor
-    if replica_bundles(config.worker.tp_size, use_gpu_bundles) is None:
+    if replica_bundles(config.worker.tp_size, settings.use_gpu_bundles) is None:
         executor = LocalExecutor(config)
     else:
         from ray.util import get_current_placement_group
@@ -60,7 +72,8 @@ def build_engine(config: EngineConfig, use_gpu_bundles: bool) -> Engine:
             [config.rank_config(r) for r in range(tp)],
             placement_group=get_current_placement_group(),
             bundle_offset=1,
-            use_gpu=use_gpu_bundles,
+            use_gpu=settings.use_gpu_bundles,
+            startup_timeout_s=settings.startup_timeout_s,
         )
     return Engine(config, executor=executor, tokenizer=tokenizer)
 
@@ -97,16 +110,16 @@ def _engine_stats(engine: Engine) -> tuple[EngineMetrics, int, int, int, str | N
 class EngineServer:
     """One engine replica. Streams `RequestOutput` lists per request through its handle."""
 
-    def __init__(self, engine_config: EngineConfig, use_gpu_bundles: bool = False,
-                 max_waiting_requests: int = 256,
+    def __init__(self, engine_config: EngineConfig,
+                 settings: ReplicaSettings = ReplicaSettings(),
                  engine_factory: EngineFactory = build_engine,
                  stats_board: DeploymentHandle | None = None,
                  report_period_s: float = 1.0) -> None:
         self.replica_id = _replica_id()
         logger.info("replica %s: starting the engine (tp=%d) over %s", self.replica_id,
                     engine_config.worker.tp_size, engine_config.worker.model_path)
-        engine = engine_factory(engine_config, use_gpu_bundles)
-        self.engine = AsyncEngine(engine, max_waiting_requests=max_waiting_requests)
+        engine = engine_factory(engine_config, settings)
+        self.engine = AsyncEngine(engine, max_waiting_requests=settings.max_waiting_requests)
         logger.info("replica %s: engine ready", self.replica_id)
         self._reporter: asyncio.Task[None] | None = None
         if stats_board is not None:  # the constructor runs on the replica's event loop

@@ -48,6 +48,16 @@ def test_local_ray_reserves_a_cpu_per_replica_and_rank() -> None:
     assert local_cpus_needed(AppConfig(tp=2, replicas=2)) == 6
 
 
+def test_api_key_from_flag_or_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from raydix.deploy.app import API_KEY_ENV, api_key_of
+
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    assert api_key_of(AppConfig()) is None
+    monkeypatch.setenv(API_KEY_ENV, "sk-env")
+    assert api_key_of(AppConfig()) == "sk-env"
+    assert api_key_of(AppConfig(api_key="sk-flag")) == "sk-flag"
+
+
 def test_example_yaml_is_valid() -> None:
     example = Path(__file__).resolve().parents[2] / "deploy" / "serve-example.yaml"
     config = parse("--config", str(example))

@@ -15,6 +15,7 @@ import pytest
 from raydix.cluster.config import EngineConfig
 from raydix.cluster.engine import Engine
 from raydix.deploy.config import AppConfig
+from raydix.deploy.server import ReplicaSettings
 
 from .conftest import MODEL_NAME, ServeCluster
 
@@ -23,12 +24,12 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 APP = "serving"
 
 
-def checked_engine(config: EngineConfig, use_gpu_bundles: bool) -> Engine:
+def checked_engine(config: EngineConfig, settings: ReplicaSettings) -> Engine:
     """The default engine, checking the KV cache's integrity after every step (a broken
     invariant stops the engine loop, and the requests in flight fail)."""
     from raydix.deploy.server import build_engine
 
-    engine = build_engine(config, use_gpu_bundles)
+    engine = build_engine(config, settings)
     engine.step_hook = lambda scheduler: scheduler.cache.check_integrity()
     return engine
 
