@@ -135,7 +135,8 @@ class OpenAIIngress:
         self._check_model(body.model)
         prompts = self._completion_prompts(body.prompt)
         max_tokens = body.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS
-        params = self._params(body, prompts, max_tokens, "prompt", body.logprobs is not None)
+        params = self._params(body, prompts, max_tokens, ("prompt", "max_tokens"),
+                              body.logprobs is not None)
         return await self._generate("cmpl", body, prompts, params, chat=False)
 
     async def _chat_completions(self, request: Request) -> Response:
@@ -146,7 +147,9 @@ class OpenAIIngress:
         max_tokens = body.max_completion_tokens or body.max_tokens
         if max_tokens is None:
             max_tokens = max(self.max_context_len - len(prompt), 1)
-        params = self._params(body, [prompt], max_tokens, "messages", body.logprobs)
+        limit_field = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+        params = self._params(body, [prompt], max_tokens, ("messages", limit_field),
+                              body.logprobs)
         return await self._generate("chatcmpl", body, [prompt], params, chat=True)
 
     # ------------------------------------------------------------------------- pipeline
@@ -172,8 +175,11 @@ class OpenAIIngress:
         return JSONResponse(answer.model_dump(exclude_none=True))
 
     def _params(self, body: CompletionRequest | ChatCompletionRequest,
-                prompts: list[list[int]], max_tokens: int, prompt_field: str,
+                prompts: list[list[int]], max_tokens: int, fields: tuple[str, str],
                 logprobs: bool) -> GenerationParams:
+        """Check the context limit (`fields`: the names of the prompt and of the output
+        limit, for the error) and build the engine's parameters."""
+        prompt_field, limit_field = fields
         longest = max(len(p) for p in prompts)
         if longest >= self.max_context_len:
             raise bad_request(f"the prompt has {longest} tokens; this model's maximum context "
@@ -183,7 +189,7 @@ class OpenAIIngress:
             raise bad_request(
                 f"this model's maximum context length is {self.max_context_len} tokens, but "
                 f"{longest + max_tokens} were requested ({longest} in the prompt, {max_tokens} "
-                f"for the output); lower max_tokens", "max_tokens",
+                f"for the output); lower {limit_field}", limit_field,
                 code="context_length_exceeded")
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         if any(not s for s in stop):

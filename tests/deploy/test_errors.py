@@ -105,6 +105,11 @@ def test_malformed_json_and_chat_errors(server: str) -> None:
                       json={"model": MODEL_NAME, "messages": [{"role": "wizard",
                                                                "content": "hi"}]})
     assert str(error_of(role, 400)["param"]).startswith("messages.0.role")
+    too_long = httpx.post(server + "/v1/chat/completions", headers=AUTH, timeout=30,
+                          json={"model": MODEL_NAME, "max_completion_tokens": MAX_CONTEXT_LEN,
+                                "messages": [{"role": "user", "content": "hi"}]})
+    error = error_of(too_long, 400)
+    assert (error["param"], error["code"]) == ("max_completion_tokens", "context_length_exceeded")
     assert_healthy(server)
     metrics = httpx.get(server + "/metrics", timeout=30).text.splitlines()
     refused = [line for line in metrics
