@@ -1,4 +1,4 @@
-"""Serve fixtures: the default model converted once, one Ray + Serve per session."""
+"""Serve fixtures: the default model converted once, one Ray + Serve for tests/deploy."""
 
 from __future__ import annotations
 
@@ -41,10 +41,11 @@ class ServeCluster:
         self.base_url = f"http://127.0.0.1:{port}"
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def serve_cluster() -> Iterator[ServeCluster]:
-    """One Ray + Serve for the whole session (starting one takes ~12 s on 2 cores); each
-    module deploys its own apps and deletes them at its end. 4 fake GPUs for the TP test."""
+    """One Ray + Serve for the tests of this package (starting one takes ~12 s on 2 cores),
+    stopped when they are done, before other packages' tests start their own Ray. Each module
+    deploys its own apps and deletes them at its end. 4 fake GPUs for the TP test."""
     import ray
     from ray import serve
 
