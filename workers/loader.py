@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from tqdm import tqdm
 
 from .config import ModelConfig
 from .layers.source import CheckpointTensor
@@ -31,17 +32,27 @@ def safetensors_files(folder: str | Path) -> list[Path]:
 
 
 def load_model(folder: str | Path, config: ModelConfig, group: TPGroup, dtype: torch.dtype,
-               device: torch.device | str) -> LlamaForCausalLM:
-    """The model of `folder`, with this rank's shard of every weight, in eval mode."""
+               device: torch.device | str, show_progress: bool = True) -> LlamaForCausalLM:
+    """The model of `folder`, with this rank's shard of every weight, in eval mode.
+
+    Rank 0 shows a progress bar over the checkpoint's tensors (`show_progress`)."""
     with torch.device("meta"):
         model = build_model(config, group)
     model = model.to(dtype=dtype).to_empty(device=device)
     model.init_buffers(device)
     params = dict(model.named_parameters())
     loaded: set[str] = set()
-    for path in safetensors_files(folder):
+    files = safetensors_files(folder)
+    num_tensors = 0
+    for path in files:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            num_tensors += len(f.keys())
+    progress = tqdm(total=num_tensors, desc=f"loading {Path(folder).name}", unit="tensor",
+                    disable=not show_progress or group.tp_rank != 0)
+    for path in files:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                progress.update()
                 if name.endswith(_IGNORED_SUFFIXES):
                     continue
                 source = CheckpointTensor(f.get_slice(name))
@@ -53,6 +64,7 @@ def load_model(folder: str | Path, config: ModelConfig, group: TPGroup, dtype: t
                     module = model.get_submodule(param_name.rpartition(".")[0])
                     module.weight_loader(params[param_name], source, shard_id)
                     loaded.add(f"{param_name}/{shard_id}")
+    progress.close()
     _check_complete(model, loaded)
     return model.eval()
 
