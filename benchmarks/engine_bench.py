@@ -12,7 +12,7 @@ prefix; engine/transformers >= 3x shared, >= 1.5x mixed). Then the control overh
 step at batch 16 (step time minus forward time), and decode throughput against batch size,
 plotted to a PNG when matplotlib is installed.
 
-    python benchmarks/engine_bench.py [--quick] [--plot engine_throughput.png] [--json out.json]
+    python benchmarks/engine_bench.py [--quick] [--threads N] [--plot PNG] [--json out.json]
 """
 
 from __future__ import annotations
@@ -198,7 +198,12 @@ def main() -> None:
     parser.add_argument("--hf-batch", type=int, default=8)
     parser.add_argument("--plot", default="benchmarks/engine_throughput.png")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads for both systems (1 is steadier on a busy machine)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(f"torch threads: {torch.get_num_threads()}")
     torch.manual_seed(0)
     folder = args.model or default_model_folder()
     vocab = int(json.loads((folder / "config.json").read_text())["vocab_size"])
