@@ -5,13 +5,26 @@ Decision latency (in-process): a global tree holding 10M cached tokens from 16 r
 prints p50 and p99 of one routing decision (tree match + policy), target p99 <= 200 us.
 
     python benchmarks/router_bench.py decision [--tokens 10000000] [--replicas 16]
+
+Serving (HTTP): the shared-prefix workload (16 groups x 16 prompts, a 512-token prefix per group,
+64-token questions, 32 output tokens, shuffled) sent as token ids through the OpenAI API to N
+replicas of the default model, once per router (cache_aware, round_robin, power_of_two). For each:
+cache hit rate (usage cached_tokens / prompt_tokens), output throughput, mean and p99 time to
+first token; then cache_aware's ratios to the others. It starts a local Ray (or joins
+--address) and deploys each router's app in turn. `--quick` is a small smoke run for a laptop.
+
+    python benchmarks/router_bench.py http [--replicas 4] [--concurrency 32] [--quick]
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import json
 import time
+from typing import Any
 
+import httpx
 import numpy as np
 
 from raydix.router.state import RouterState
@@ -48,6 +61,112 @@ def decision_latency(num_tokens: int, num_replicas: int, page_size: int, queries
           f"{TARGET_P99_US / p99:.1f}x under)")
 
 
+ROUTERS = ("cache_aware", "round_robin", "power_of_two")
+
+
+def shared_prefix_prompts(groups: int, per_group: int, prefix_len: int, question_len: int,
+                          seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    prefixes = [rng.integers(100, 40_000, prefix_len).tolist() for _ in range(groups)]
+    prompts = [p + rng.integers(100, 40_000, question_len).tolist()
+               for p in prefixes for _ in range(per_group)]
+    return [prompts[i] for i in rng.permutation(len(prompts))]
+
+
+async def _one(client: httpx.AsyncClient, url: str, prompt: list[int], max_tokens: int
+                ) -> tuple[float, int, int, int]:
+    """(time to first token, prompt tokens, cached tokens, output tokens) of one request."""
+    body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    ttft = float("nan")
+    usage: dict[str, Any] = {}
+    async with client.stream("POST", url + "/v1/completions", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("choices") and ttft != ttft:
+                ttft = time.perf_counter() - start
+            usage = chunk.get("usage") or usage
+    details = usage.get("prompt_tokens_details") or {}
+    return (ttft, int(usage.get("prompt_tokens", 0)),
+            int(details.get("cached_tokens", 0)),  # type: ignore[union-attr]
+            int(usage.get("completion_tokens", 0)))
+
+
+async def run_workload(url: str, prompts: list[list[int]], max_tokens: int,
+                       concurrency: int) -> dict[str, float]:
+    sem = asyncio.Semaphore(concurrency)
+    async with httpx.AsyncClient(timeout=600) as client:
+
+        async def limited(p: list[int]) -> tuple[float, int, int, int]:
+            async with sem:
+                return await _one(client, url, p, max_tokens)
+
+        start = time.perf_counter()
+        results = await asyncio.gather(*(limited(p) for p in prompts))
+        wall = time.perf_counter() - start
+    ttft = np.array([r[0] for r in results])
+    prompt_tokens = sum(r[1] for r in results)
+    return {"hit_rate": sum(r[2] for r in results) / max(prompt_tokens, 1),
+            "throughput": sum(r[3] for r in results) / wall,
+            "ttft_mean": float(np.nanmean(ttft)), "ttft_p99": float(np.nanpercentile(ttft, 99)),
+            "wall_s": wall}
+
+
+def http_compare(args: argparse.Namespace) -> None:
+    import os
+
+    import ray
+    from ray import serve
+
+    from raydix.deploy.app import build_app
+    from raydix.deploy.config import AppConfig
+
+    groups, per_group, prefix_len, question_len, max_tokens = 16, 16, 512, 64, 32
+    if args.quick:
+        groups, per_group, prefix_len, question_len, max_tokens = 4, 4, 128, 16, 4
+    prompts = shared_prefix_prompts(groups, per_group, prefix_len, question_len)
+    warmup = shared_prefix_prompts(args.replicas * 2, 1, 8, 8, seed=1)
+    if args.address:
+        ray.init(address=args.address)
+    else:
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        ray.init(num_cpus=max(os.cpu_count() or 1, args.replicas + 1), include_dashboard=False,
+                 log_to_driver=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": args.port})
+    url = f"http://127.0.0.1:{args.port}"
+    results: dict[str, dict[str, float]] = {}
+    try:
+        for router in args.routers:
+            config = AppConfig(served_model_name="bench", replicas=args.replicas, router=router,
+                               max_context_len=prefix_len + question_len + max_tokens + 8,
+                               max_running_requests=args.concurrency)
+            serve.run(build_app(config), name="bench", route_prefix="/")
+            asyncio.run(run_workload(url, warmup, 1, args.replicas))  # no prefix in common
+            results[router] = asyncio.run(run_workload(url, prompts, max_tokens,
+                                                       args.concurrency))
+            r = results[router]
+            print(f"{router:>13}: hit rate {r['hit_rate']:.3f}, {r['throughput']:.1f} tok/s, "
+                  f"TTFT mean {r['ttft_mean'] * 1e3:.0f} ms, p99 {r['ttft_p99'] * 1e3:.0f} ms "
+                  f"({len(prompts)} requests in {r['wall_s']:.1f} s)", flush=True)
+            serve.delete("bench")
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    if "cache_aware" not in results:
+        return
+    ca = results["cache_aware"]
+    for other, r in results.items():
+        if other == "cache_aware":
+            continue
+        print(f"cache_aware vs {other}: hit rate {ca['hit_rate'] / max(r['hit_rate'], 1e-9):.2f}x"
+              f" (target >= 3), throughput {ca['throughput'] / r['throughput']:.2f}x (target "
+              f">= 1.5), p99 TTFT {r['ttft_p99'] / ca['ttft_p99']:.2f}x lower (target >= 2)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="what", required=True)
@@ -56,9 +175,19 @@ def main() -> None:
     dec.add_argument("--replicas", type=int, default=16)
     dec.add_argument("--page-size", type=int, default=1)
     dec.add_argument("--queries", type=int, default=20_000)
+    http = sub.add_parser("http", help="the routers compared through HTTP")
+    http.add_argument("--replicas", type=int, default=4)
+    http.add_argument("--concurrency", type=int, default=32)
+    http.add_argument("--routers", nargs="+", choices=ROUTERS, default=list(ROUTERS))
+    http.add_argument("--port", type=int, default=8123)
+    http.add_argument("--address", help="join this Ray cluster (default: a local Ray)")
+    http.add_argument("--quick", action="store_true",
+                      help="4 groups x 4 prompts, 128-token prefixes, 4 output tokens")
     args = parser.parse_args()
     if args.what == "decision":
         decision_latency(args.tokens, args.replicas, args.page_size, args.queries)
+    elif args.what == "http":
+        http_compare(args)
 
 
 if __name__ == "__main__":

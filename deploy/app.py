@@ -10,8 +10,11 @@ import os  # no `from __future__ import annotations`: `serve run` reads build_ap
 import ray
 from ray import serve
 from ray.serve import Application
+from ray.serve.config import RequestRouterConfig
 
-from .config import AppConfig, engine_config, resolve_device, resolve_model_path
+from raydix.router.serve_router import CacheAwareRequestRouter, RoundRobinRequestRouter
+
+from .config import AppConfig, engine_config, resolve_device, resolve_model_path, routing_policy
 from .ingress import OpenAIIngress
 from .server import EngineFactory, EngineServer, ReplicaSettings, build_engine, replica_bundles
 from .stats_board import StatsBoard
@@ -63,6 +66,7 @@ def bind_app(config: AppConfig, engine_factory: EngineFactory = build_engine) ->
         graceful_shutdown_timeout_s=5,
         **scaling,  # type: ignore[arg-type]
         **placement,  # type: ignore[arg-type]
+        **request_router_options(config),  # type: ignore[arg-type]
     )
     board = serve.deployment(StatsBoard).options(
         name=STATS_BOARD_DEPLOYMENT, num_replicas=1, ray_actor_options={"num_cpus": 0},
@@ -72,7 +76,8 @@ def bind_app(config: AppConfig, engine_factory: EngineFactory = build_engine) ->
     settings = ReplicaSettings(use_gpu_bundles=use_gpu,
                                max_waiting_requests=config.max_waiting_requests,
                                startup_timeout_s=config.startup_timeout_s)
-    engine_app = engine_deployment.bind(engine, settings, engine_factory, board)
+    policy = routing_policy(config)
+    engine_app = engine_deployment.bind(engine, settings, engine_factory, board, routing=policy)
     ingress = serve.deployment(OpenAIIngress).options(
         name=INGRESS_DEPLOYMENT,
         num_replicas=config.ingress_replicas,
@@ -81,7 +86,20 @@ def bind_app(config: AppConfig, engine_factory: EngineFactory = build_engine) ->
     )
     return ingress.bind(engine_app, board, model_path, config.model_name,
                         engine.scheduler.max_context_len, config.max_request_bytes,
-                        api_key_of(config))
+                        api_key_of(config), cache_aware_router=policy is not None)
+
+
+def request_router_options(config: AppConfig) -> dict[str, RequestRouterConfig]:
+    """The engine deployment's request router. cache_aware asks the application's router actor
+    (which the first engine replica creates); power_of_two is Serve's default router."""
+    if config.router == "cache_aware":
+        kwargs = {"decision_timeout_s": config.router_decision_timeout_s}
+        return {"request_router_config": RequestRouterConfig(
+            request_router_class=CacheAwareRequestRouter, request_router_kwargs=kwargs)}
+    if config.router == "round_robin":
+        return {"request_router_config": RequestRouterConfig(
+            request_router_class=RoundRobinRequestRouter)}
+    return {}
 
 
 def api_key_of(config: AppConfig) -> str | None:

@@ -8,6 +8,7 @@ starts a local Ray inside this process; it logs when the app is ready and serves
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import signal
@@ -124,7 +125,17 @@ def serve_forever(config: AppConfig) -> None:
             serve.shutdown()
         else:
             serve.delete(APP_NAME)
+            _drop_router_actor(APP_NAME)  # detached: it would outlive the app on a cluster
         ray.shutdown()
+
+
+def _drop_router_actor(app_name: str) -> None:
+    import ray
+
+    from raydix.router.actor import router_actor_name
+
+    with contextlib.suppress(ValueError):  # never made (another router, or no replica)
+        ray.kill(ray.get_actor(router_actor_name(app_name)), no_restart=True)
 
 
 def _interrupt(signum: int, frame: object) -> None:

@@ -12,6 +12,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from raydix.cluster.config import EngineConfig, SchedulerConfig
+from raydix.router.policy import RoutingPolicyConfig
 from raydix.workers.config import ModelConfig, WorkerConfig
 
 DEFAULT_MODEL = "default"
@@ -98,6 +99,24 @@ class AppConfig(BaseModel):
         "fcfs", description="order of waiting requests"
     )
     disable_radix_cache: bool = Field(False, description="turn off prefix caching")
+    # routing between engine replicas
+    router: Literal["cache_aware", "round_robin", "power_of_two"] = Field(
+        "cache_aware",
+        description="how requests pick an engine replica: the longest cached prefix unless the "
+        "load is imbalanced, in turn, or the less loaded of two at random",
+    )
+    cache_threshold: float = Field(
+        0.5, ge=0, le=1, description="cache_aware: least share of the prompt a replica must hold"
+    )
+    balance_abs_threshold: int = Field(
+        32, ge=0, description="cache_aware: load gap (requests) above which load wins over cache"
+    )
+    balance_rel_threshold: float = Field(
+        1.5, ge=1, description="cache_aware: and busiest / idlest load ratio above which too"
+    )
+    router_decision_timeout_s: float = Field(
+        0.05, gt=0, description="cache_aware: wait this long for the router, then route by load"
+    )
     # HTTP limits
     max_request_bytes: int = Field(
         1 << 20, ge=1024, description="larger request bodies get 413"
@@ -154,6 +173,15 @@ def resolve_device(config: AppConfig, num_cluster_gpus: float) -> str:
     if config.device != "auto":
         return config.device
     return "cuda" if num_cluster_gpus > 0 else "cpu"
+
+
+def routing_policy(config: AppConfig) -> RoutingPolicyConfig | None:
+    """The cache-aware policy's settings; None for the other routers."""
+    if config.router != "cache_aware":
+        return None
+    return RoutingPolicyConfig(cache_threshold=config.cache_threshold,
+                               balance_abs_threshold=config.balance_abs_threshold,
+                               balance_rel_threshold=config.balance_rel_threshold)
 
 
 def engine_config(config: AppConfig, model_path: str, device: str) -> EngineConfig:

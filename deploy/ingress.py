@@ -6,6 +6,7 @@ server-sent events ending with `data: [DONE]`. Every refusal is an OpenAI error 
 """
 
 
+import asyncio
 import hmac
 import logging
 import time
@@ -84,7 +85,8 @@ async def _server_error(_: Request, error: Exception) -> JSONResponse:
 class OpenAIIngress:
     def __init__(self, engine: DeploymentHandle, stats_board: DeploymentHandle,
                  model_path: str, model_name: str, max_context_len: int,
-                 max_request_bytes: int, api_key: str | None = None) -> None:
+                 max_request_bytes: int, api_key: str | None = None,
+                 cache_aware_router: bool = False) -> None:
         from transformers import AutoTokenizer
 
         self.engine = engine
@@ -96,6 +98,7 @@ class OpenAIIngress:
         self.api_key = api_key
         self.created = int(time.time())
         self.metrics = IngressMetrics()
+        self.cache_aware_router = cache_aware_router
 
     # ------------------------------------------------------------------------ endpoints
     @app.get("/health")
@@ -110,8 +113,25 @@ class OpenAIIngress:
     @app.get("/metrics")
     async def prometheus(self) -> PlainTextResponse:
         stats = await self.stats_board.snapshot.remote()
-        return PlainTextResponse(render_metrics(self.metrics, stats),
+        router_stats = await self._router_stats() if self.cache_aware_router else None
+        return PlainTextResponse(render_metrics(self.metrics, stats, router_stats),
                                  media_type="text/plain; version=0.0.4")
+
+    async def _router_stats(self) -> dict[str, float] | None:
+        """The router actor's decision latency and per-replica hit rates; None while it is
+        not reachable (it is made by the first engine replica)."""
+        import ray
+
+        from raydix.router.actor import router_actor_name
+
+        try:
+            name = router_actor_name(serve.get_replica_context().app_name)
+            actor = await asyncio.to_thread(ray.get_actor, name)  # a GCS lookup: off the loop
+            stats: dict[str, float] = await asyncio.wait_for(actor.stats.remote(), 5.0)
+        except (ValueError, asyncio.TimeoutError, ray.exceptions.RayError) as e:
+            logger.debug("no router stats: %r", e)
+            return None
+        return stats
 
     @app.get("/v1/models")
     async def models(self, request: Request) -> ModelList:

@@ -3,14 +3,15 @@
 Request-level series (requests, tokens, time to first token, time per output token) are
 measured at the ingress, as clients see them. Engine-level series (queue, KV usage, cache hit
 rate, engine token counters) come from each engine replica's `ReplicaStats`, labelled with
-the replica id.
+the replica id. With the cache-aware router, the router actor's series follow: its decision
+latency and, per replica, the share of routed prompt tokens that replica already held.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
@@ -141,5 +142,26 @@ def render_engine(stats: Sequence[ReplicaStats]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def render_metrics(ingress: IngressMetrics, stats: Sequence[ReplicaStats]) -> str:
-    return generate_latest(ingress.registry).decode() + render_engine(stats)
+def render_router(stats: Mapping[str, float]) -> str:
+    """The router actor's series (`RouterActor.stats`): decision latency quantiles, the size of
+    its tree, and each replica's share of routed prompt tokens it already held."""
+    name = "raydix_router_decision_latency_us"
+    lines = [f"# HELP {name} time of one routing decision in the router actor",
+             f"# TYPE {name} summary"]
+    for quantile, key in (("0.5", "decision_p50_us"), ("0.99", "decision_p99_us")):
+        lines.append(f'{name}{{quantile="{quantile}"}} {float(stats.get(key, 0.0))}')
+    name = "raydix_router_tree_tokens"
+    lines += [f"# HELP {name} tokens in the router's global prefix tree", f"# TYPE {name} gauge",
+              f"{name} {float(stats.get('tree_tokens', 0.0))}"]
+    name = "raydix_router_hit_rate"
+    lines += [f"# HELP {name} prompt tokens the chosen replica held / prompt tokens routed to it",
+              f"# TYPE {name} gauge"]
+    lines += [f'{name}{{replica="{_label(key.split(":", 1)[1])}"}} {float(value)}'
+              for key, value in sorted(stats.items()) if key.startswith("hit_rate:")]
+    return "\n".join(lines) + "\n"
+
+
+def render_metrics(ingress: IngressMetrics, stats: Sequence[ReplicaStats],
+                   router_stats: Mapping[str, float] | None = None) -> str:
+    text = generate_latest(ingress.registry).decode() + render_engine(stats)
+    return text + render_router(router_stats) if router_stats is not None else text

@@ -6,6 +6,11 @@ machine without GPUs a replica with tp 1 runs its one rank in-process (a `LocalE
 placement group); with tp > 1 the ranks take one CPU bundle each.
 
 The engine itself comes from an `EngineFactory`, so tests can serve a different engine.
+
+With the cache-aware router (`routing` set), the engine publishes its radix-cache events into an
+`EventBuffer`, and a `ReplicaReporter` task on the replica's event loop sends them, with the
+replica's load, to the application's router actor (made here by the first replica, so it carries
+the application's name and page size).
 """
 
 from __future__ import annotations
@@ -21,12 +26,16 @@ from typing import NamedTuple
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from raydix.cache import EventBuffer, EventSink
 from raydix.cluster.async_engine import AsyncEngine
 from raydix.cluster.config import EngineConfig
 from raydix.cluster.engine import Engine
 from raydix.cluster.executor import Executor, LocalExecutor
 from raydix.cluster.metrics import EngineMetrics
 from raydix.cluster.request import GenerationParams, RequestOutput
+from raydix.router.actor import get_or_create_router
+from raydix.router.policy import RoutingPolicyConfig
+from raydix.router.reporter import LoadReport, ReplicaReporter
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +50,8 @@ class ReplicaSettings:
     startup_timeout_s: float = 600.0  # bound on starting the ranks
 
 
-EngineFactory = Callable[[EngineConfig, ReplicaSettings], Engine]
+EngineFactory = Callable[[EngineConfig, ReplicaSettings, EventSink | None], Engine]
+"""(engine config, replica settings, where the engine's cache events go) -> engine"""
 
 
 def replica_bundles(tp_size: int, use_gpu_bundles: bool) -> list[dict[str, float]] | None:
@@ -53,7 +63,8 @@ def replica_bundles(tp_size: int, use_gpu_bundles: bool) -> list[dict[str, float
     return [{"CPU": 1.0}] + [{"CPU": 1.0}] * tp_size
 
 
-def build_engine(config: EngineConfig, settings: ReplicaSettings) -> Engine:
+def build_engine(config: EngineConfig, settings: ReplicaSettings,
+                 event_sink: EventSink | None = None) -> Engine:
     """The default factory: the model's tokenizer, and the ranks where `replica_bundles` put
     them (in-process, or worker actors in this replica's placement group)."""
     from transformers import AutoTokenizer
@@ -75,7 +86,7 @@ def build_engine(config: EngineConfig, settings: ReplicaSettings) -> Engine:
             use_gpu=settings.use_gpu_bundles,
             startup_timeout_s=settings.startup_timeout_s,
         )
-    return Engine(config, executor=executor, tokenizer=tokenizer)
+    return Engine(config, executor=executor, tokenizer=tokenizer, event_sink=event_sink)
 
 
 class ReplicaStats(NamedTuple):
@@ -97,6 +108,13 @@ def _replica_id() -> str:
         return uuid.uuid4().hex[:8]
 
 
+def _app_name() -> str:
+    try:
+        return str(serve.get_replica_context().app_name)
+    except Exception:  # outside Serve
+        return "default"
+
+
 def _engine_stats(engine: Engine) -> tuple[EngineMetrics, int, int, int, str | None]:
     cache = engine.scheduler.cache
     try:
@@ -114,17 +132,32 @@ class EngineServer:
                  settings: ReplicaSettings = ReplicaSettings(),
                  engine_factory: EngineFactory = build_engine,
                  stats_board: DeploymentHandle | None = None,
-                 report_period_s: float = 1.0) -> None:
+                 report_period_s: float = 1.0,
+                 routing: RoutingPolicyConfig | None = None) -> None:
         self.replica_id = _replica_id()
         logger.info("replica %s: starting the engine (tp=%d) over %s", self.replica_id,
                     engine_config.worker.tp_size, engine_config.worker.model_path)
-        engine = engine_factory(engine_config, settings)
+        events = EventBuffer() if routing is not None else None
+        engine = engine_factory(engine_config, settings, events)
         self.engine = AsyncEngine(engine, max_waiting_requests=settings.max_waiting_requests)
+        self.num_received = 0  # generate() calls, for the router's count of unseen requests
         logger.info("replica %s: engine ready", self.replica_id)
+        loop = asyncio.get_running_loop()  # the constructor runs on the replica's event loop
         self._reporter: asyncio.Task[None] | None = None
-        if stats_board is not None:  # the constructor runs on the replica's event loop
-            self._reporter = asyncio.get_running_loop().create_task(
-                self._report(stats_board, report_period_s))
+        if stats_board is not None:
+            self._reporter = loop.create_task(self._report(stats_board, report_period_s))
+        self._router_reporter: asyncio.Task[None] | None = None
+        if events is not None:
+            router = get_or_create_router(_app_name(), engine_config.scheduler.page_size, routing)
+            reporter = ReplicaReporter(router, self.replica_id, events.drain, self._load)
+            self._router_reporter = loop.create_task(reporter.run())
+
+    def _load(self) -> LoadReport:
+        """Read on the event loop while the loop thread steps: counters and sizes, no locks;
+        a torn read is off by a step and the next report corrects it."""
+        metrics = self.engine.engine.metrics()
+        return LoadReport(metrics.num_running, metrics.num_waiting, metrics.token_usage,
+                          self.num_received)
 
     async def _report(self, board: DeploymentHandle, period_s: float) -> None:
         while True:
@@ -136,6 +169,7 @@ class EngineServer:
 
     async def generate(self, prompt_ids: Sequence[int], params: GenerationParams,
                        rid: str) -> AsyncIterator[list[RequestOutput]]:
+        self.num_received += 1
         async for outputs in self.engine.generate(prompt_ids, params, rid):
             yield outputs
 
@@ -159,10 +193,11 @@ class EngineServer:
             raise RuntimeError("the engine loop is not running")
 
     def __del__(self) -> None:
-        reporter = getattr(self, "_reporter", None)
-        if reporter is not None:
-            with contextlib.suppress(RuntimeError):  # the loop may be closed already
-                reporter.cancel()
+        for name in ("_reporter", "_router_reporter"):
+            reporter = getattr(self, name, None)
+            if reporter is not None:
+                with contextlib.suppress(RuntimeError):  # the loop may be closed already
+                    reporter.cancel()
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()

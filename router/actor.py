@@ -34,7 +34,24 @@ class RouterActor:
         exact: bool = True,
         max_approx_tokens: int = 4_000_000,
     ) -> None:
+        self._settings = (page_size, policy or RoutingPolicyConfig(), exact, max_approx_tokens)
         self.state = RouterState(page_size, policy, exact, max_approx_tokens)
+
+    async def configure(
+        self,
+        page_size: int,
+        policy: RoutingPolicyConfig | None = None,
+        exact: bool = True,
+        max_approx_tokens: int = 4_000_000,
+    ) -> bool:
+        """Start over with these settings if they differ (an application deployed again under
+        the same name finds the old actor); returns whether the state was reset."""
+        settings = (page_size, policy or RoutingPolicyConfig(), exact, max_approx_tokens)
+        if settings == self._settings:
+            return False
+        self._settings = settings
+        self.state = RouterState(page_size, policy, exact, max_approx_tokens)
+        return True
 
     async def route(
         self,
@@ -55,6 +72,10 @@ class RouterActor:
     ) -> None:
         self.state.report_load(replica, num_running, num_waiting, kv_usage, num_received)
 
+    async def replica_ids(self) -> list[str]:
+        """The replicas the router knows, in id order."""
+        return sorted(str(r) for r in self.state.replicas)
+
     async def stats(self) -> dict[str, float]:
         """Decision latency and per-replica hit rates, for /metrics."""
         out = {
@@ -74,8 +95,12 @@ def get_or_create_router(
     policy: RoutingPolicyConfig | None = None,
     exact: bool = True,
 ) -> ActorHandle:
-    """The application's router actor, made on first use (detached from its creator)."""
+    """The application's router actor, made on first use (detached from its creator). An actor
+    left by an earlier deployment of the app with other settings is reset to these."""
     remote = ray.remote(num_cpus=0, max_restarts=-1)(RouterActor)
-    return remote.options(  # type: ignore[no-any-return]
-        name=router_actor_name(app_name), get_if_exists=True, lifetime="detached"
+    actor = remote.options(
+        name=router_actor_name(app_name), get_if_exists=True, lifetime="detached",
+        scheduling_strategy="DEFAULT",  # never inside the caller's placement group
     ).remote(page_size, policy, exact)
+    actor.configure.remote(page_size, policy, exact)  # ordered before this caller's next calls
+    return actor  # type: ignore[no-any-return]

@@ -10,7 +10,8 @@ Given, for one prompt, how many of its tokens each replica holds and each replic
 - else the least loaded replica gets it.
 
 Equal loads are broken by a rotating start, so a run of cold prompts spreads over the replicas
-instead of piling onto one.
+instead of piling onto one. The rotation advances only when a tie is broken, so cache hits in
+between (one holder, nothing to break) do not bring the next cold prompt back to the same one.
 """
 
 from __future__ import annotations
@@ -58,19 +59,20 @@ class CacheAwarePolicy:
         if not replicas:
             raise ValueError("no replica to route to")
         load = {r: loads.get(r, 0.0) for r in replicas}
-        least = self._least_loaded(replicas, load)
-        busiest, idlest = max(load.values()), load[least]
+        busiest, idlest = max(load.values()), min(load.values())
         cfg = self.config
         if (
             busiest - idlest > cfg.balance_abs_threshold
             and busiest > idlest * cfg.balance_rel_threshold
         ):
+            least = self._least_loaded(replicas, load)
             return RoutingDecision(least, matched.get(least, 0), "balance")
         best_len = max((matched.get(r, 0) for r in replicas), default=0)
         if prompt_len and best_len and best_len / prompt_len >= cfg.cache_threshold:
             holders = [r for r in replicas if matched.get(r, 0) == best_len]
             chosen = self._least_loaded(holders, load)
             return RoutingDecision(chosen, best_len, "cache")
+        least = self._least_loaded(replicas, load)
         return RoutingDecision(least, matched.get(least, 0), "least_loaded")
 
     def _least_loaded(
@@ -78,5 +80,7 @@ class CacheAwarePolicy:
     ) -> ReplicaId:
         low = min(load[r] for r in candidates)
         tied = [r for r in candidates if load[r] == low]
+        if len(tied) == 1:
+            return tied[0]
         self._turn += 1
         return tied[self._turn % len(tied)]

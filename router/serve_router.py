@@ -20,6 +20,7 @@ from ray.actor import ActorHandle
 from ray.serve.request_router import (
     FIFOMixin,
     PendingRequest,
+    ReplicaID,
     RequestRouter,
     RunningReplica,
 )
@@ -31,12 +32,36 @@ logger = logging.getLogger(__name__)
 
 class CacheAwareRequestRouter(FIFOMixin, RequestRouter):
     def initialize_state(  # type: ignore[override]
-        self, app_name: str = "raydix", decision_timeout_s: float = 0.05
+        self, app_name: str | None = None, decision_timeout_s: float = 0.05
     ) -> None:
-        self._actor_name = router_actor_name(app_name)
+        """`app_name` names the router actor; default: the deployment's application."""
+        self._app_name = app_name
         self._decision_timeout_s = decision_timeout_s
         self._actor: ActorHandle | None = None
         self.num_fallbacks = 0
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        self._sync_replicas()
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        self._sync_replicas()
+
+    def _sync_replicas(self) -> None:
+        """Tell the router actor the live replicas, without waiting (it may not exist yet:
+        the first replica creates it, and `route` registers the candidates it is given)."""
+        names = sorted(r.unique_id for r in self.curr_replicas)
+        try:
+            self._router_actor().set_replicas.remote(names)
+        except (ValueError, ray.exceptions.RayError) as exc:
+            logger.debug("router actor not reachable for the replica set (%s)", exc)
+            self._actor = None
+
+    def _router_actor(self) -> ActorHandle:
+        if self._actor is None:
+            self._actor = ray.get_actor(router_actor_name(self._app_name or self.app_name))
+        return self._actor
 
     async def choose_replicas(
         self,
@@ -59,9 +84,7 @@ class CacheAwareRequestRouter(FIFOMixin, RequestRouter):
         self, prompt: np.ndarray, extra_key: object, candidates: list[str]
     ) -> str | None:
         try:
-            if self._actor is None:
-                self._actor = ray.get_actor(self._actor_name)
-            ref = self._actor.route.remote(prompt, extra_key, candidates)
+            ref = self._router_actor().route.remote(prompt, extra_key, candidates)
             decision = await asyncio.wait_for(ref, self._decision_timeout_s)
         except (asyncio.TimeoutError, ValueError, ray.exceptions.RayError) as exc:
             logger.debug("router actor unavailable (%s); routing by load", exc)
@@ -75,6 +98,26 @@ class CacheAwareRequestRouter(FIFOMixin, RequestRouter):
         pair = random.sample(replicas, min(2, len(replicas)))
         cache = self.replica_queue_len_cache
         return sorted(pair, key=lambda r: cache.get(r.replica_id) or 0)
+
+
+class RoundRobinRequestRouter(FIFOMixin, RequestRouter):
+    """Each request goes to the next replica in replica-id order; a full one passes its turn."""
+
+    def initialize_state(self) -> None:  # type: ignore[override]
+        self._turn = 0
+
+    async def choose_replicas(
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
+        if not candidate_replicas:
+            return []
+        ordered = sorted(candidate_replicas, key=lambda r: r.replica_id.unique_id)
+        start = self._turn % len(ordered)
+        self._turn += 1
+        rotated = ordered[start:] + ordered[:start]
+        return [[r] for r in rotated]
 
 
 def _prompt_ids(pending: PendingRequest | None) -> np.ndarray | None:

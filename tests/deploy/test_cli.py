@@ -34,6 +34,31 @@ def test_flags_become_the_config() -> None:
     assert parse() == AppConfig()
 
 
+def test_router_flags_pick_the_request_router() -> None:
+    from raydix.deploy.app import request_router_options
+    from raydix.deploy.cli import ConfigError
+    from raydix.deploy.config import routing_policy
+    from raydix.router.policy import RoutingPolicyConfig
+    from raydix.router.serve_router import CacheAwareRequestRouter, RoundRobinRequestRouter
+
+    config = parse("--cache-threshold", "0.7", "--balance-abs-threshold", "8",
+                   "--balance-rel-threshold", "2", "--router-decision-timeout-s", "0.2")
+    assert config.router == "cache_aware"  # the default
+    assert routing_policy(config) == RoutingPolicyConfig(0.7, 8, 2.0)
+    options = request_router_options(config)["request_router_config"]
+    assert options.get_request_router_class() is CacheAwareRequestRouter
+    assert options.request_router_kwargs == {"decision_timeout_s": 0.2}
+    config = parse("--router", "round_robin")
+    assert routing_policy(config) is None
+    assert (request_router_options(config)["request_router_config"].get_request_router_class()
+            is RoundRobinRequestRouter)
+    assert request_router_options(parse("--router", "power_of_two")) == {}  # Serve's default
+    for bad in (["--router", "random"], ["--cache-threshold", "1.5"],
+                ["--balance-rel-threshold", "0.5"]):
+        with pytest.raises(ConfigError):
+            parse(*bad)
+
+
 def test_yaml_file_with_flags_on_top(tmp_path: Path) -> None:
     path = tmp_path / "serve.yaml"
     path.write_text("tp: 2\nport: 9100\nautoscaling:\n  min_replicas: 1\n  max_replicas: 4\n")

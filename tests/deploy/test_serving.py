@@ -12,6 +12,7 @@ import httpx
 import openai
 import pytest
 
+from raydix.cache import EventSink
 from raydix.cluster.config import EngineConfig
 from raydix.cluster.engine import Engine
 from raydix.deploy.config import AppConfig
@@ -24,12 +25,13 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 APP = "serving"
 
 
-def checked_engine(config: EngineConfig, settings: ReplicaSettings) -> Engine:
+def checked_engine(config: EngineConfig, settings: ReplicaSettings,
+                   event_sink: EventSink | None = None) -> Engine:
     """The default engine, checking the KV cache's integrity after every step (a broken
     invariant stops the engine loop, and the requests in flight fail)."""
     from raydix.deploy.server import build_engine
 
-    engine = build_engine(config, settings)
+    engine = build_engine(config, settings, event_sink)
     engine.step_hook = lambda scheduler: scheduler.cache.check_integrity()
     return engine
 

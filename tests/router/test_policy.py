@@ -49,6 +49,23 @@ def test_cold_start_spreads_the_load() -> None:
     assert loads == dict.fromkeys(REPLICAS, 2)
 
 
+def test_cold_prompts_spread_between_cache_hits_on_idle_replicas() -> None:
+    """Requests one at a time (every load back to 0): each new prefix goes to another replica,
+    though cache hits on the earlier ones come in between."""
+    policy = CacheAwarePolicy()
+    tree = GlobalPrefixTree()
+    idle = dict.fromkeys(REPLICAS, 0)
+    homes = []
+    for group in range(3):
+        prompt = [1000 * (group + 1) + i for i in range(64)]
+        home = policy.choose(REPLICAS, 64, tree.match(prompt), idle).replica
+        tree.insert(home, prompt)
+        homes.append(home)
+        for _ in range(group + 1):  # hits on this group's prefix: one holder, no tie to break
+            assert policy.choose(REPLICAS, 64, tree.match(prompt), idle) == (home, 64, "cache")
+    assert sorted(homes) == REPLICAS
+
+
 def test_eviction_events_move_the_choice() -> None:
     buffers = {r: EventBuffer() for r in REPLICAS}
     caches = {r: RadixCache(event_sink=buffers[r]) for r in REPLICAS}

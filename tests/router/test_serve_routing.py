@@ -1,0 +1,285 @@
+"""The cache-aware router inside the real Serve app: 3 engine replicas of a tiny random model.
+
+Requests go through the engine deployment's handle with token ids (what the ingress sends after
+tokenizing), so the test knows each request's group. Each replica's engine writes the ids of the
+requests it admits to a file named after the replica, which tells where every request ran.
+Requests are sent one at a time with a short pause, so the replicas' cache events (reported
+every 50 ms) reach the router between them, as they do for clients arriving over time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import time
+import uuid
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import numpy as np
+import pytest
+import ray
+
+from raydix.cache import EventSink
+from raydix.cluster.config import EngineConfig
+from raydix.cluster.engine import Engine
+from raydix.cluster.request import GenerationParams
+from raydix.deploy.config import AppConfig
+from raydix.deploy.server import ReplicaSettings
+from raydix.router.actor import router_actor_name
+
+pytestmark = pytest.mark.ray
+
+APP = "routing"
+VOCAB = 256
+NUM_GROUPS, PER_GROUP, PREFIX_LEN = 3, 8, 64
+PARAMS = GenerationParams(max_new_tokens=2, ignore_eos=True)
+PAUSE_S = 0.15  # > the replicas' 50 ms report period
+
+
+class RecordingEngine(Engine):
+    """The engine, appending each admitted request id to `log_path`."""
+
+    log_path: Path | None = None
+
+    def add_request(self, prompt_ids, params=None, rid=None):  # type: ignore[no-untyped-def]
+        if self.log_path is not None:
+            with self.log_path.open("a") as f:
+                f.write(f"{rid}\n")
+        return super().add_request(prompt_ids, params, rid)
+
+
+def recording_factory(log_dir: str):  # type: ignore[no-untyped-def]
+    def make(config: EngineConfig, settings: ReplicaSettings,
+             event_sink: EventSink | None = None) -> Engine:
+        from ray import serve
+
+        replica_id = serve.get_replica_context().replica_id.unique_id
+        engine = RecordingEngine(config, event_sink=event_sink)
+        engine.log_path = Path(log_dir) / f"{replica_id}.log"
+        engine.log_path.touch()
+        return engine
+
+    return make
+
+
+def tiny_model(folder: Path) -> Path:
+    """A tiny random Llama with a word-level tokenizer (`t0 t1 ...`), so the ingress starts."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    torch.manual_seed(99)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=512, initializer_range=0.3,
+                         eos_token_id=1, bos_token_id=0, tie_word_embeddings=False)
+    LlamaForCausalLM(config).save_pretrained(folder, safe_serialization=True)
+    words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=words, unk_token="t0", bos_token="t0",
+                            eos_token="t1").save_pretrained(folder)
+    return folder
+
+
+def app_config(model: Path, replicas: int) -> AppConfig:
+    return AppConfig(model=str(model), device="cpu", replicas=replicas, max_total_tokens=4096,
+                     max_running_requests=8, max_context_len=256,
+                     router_decision_timeout_s=2.0)  # a loaded 2-core machine answers late
+
+
+class Cluster:
+    def __init__(self, model: Path, log_dir: Path, port: int) -> None:
+        self.model = model
+        self.log_dir = log_dir
+        self.port = port
+
+    def deploy(self, replicas: int) -> None:
+        from ray import serve
+
+        from raydix.deploy.app import bind_app
+
+        app = bind_app(app_config(self.model, replicas),
+                       engine_factory=recording_factory(str(self.log_dir)))
+        serve.run(app, name=APP, route_prefix="/")
+
+    def placements(self) -> dict[str, str]:
+        """Request id -> the replica that admitted it."""
+        out = {}
+        for log in self.log_dir.glob("*.log"):
+            for rid in log.read_text().split():
+                out[rid] = log.stem
+        return out
+
+    def router_replicas(self) -> list[str]:
+        router = ray.get_actor(router_actor_name(APP))
+        return list(ray.get(router.replica_ids.remote(), timeout=30))
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    from ray import cloudpickle, serve
+
+    if ray.is_initialized():
+        raise RuntimeError("another Ray instance is running in this process")
+    model = tiny_model(tmp_path_factory.mktemp("tiny-words"))
+    # one logical CPU per replica (3, then 4): Ray's CPUs are only a count on this machine
+    ray.init(num_cpus=5, num_gpus=4, include_dashboard=False, log_to_driver=False)
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # replicas can't import tests
+    try:
+        port = _free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        c = Cluster(model, tmp_path_factory.mktemp("placements"), port)
+        c.deploy(replicas=3)
+        yield c
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def workload(seed: int, num_groups: int, per_group: int) -> list[tuple[int, list[int]]]:
+    """(group, prompt) pairs, shuffled: a 64-token prefix per group and an 8-24-token question."""
+    rng = np.random.default_rng(seed)
+    prefixes = [rng.integers(2, VOCAB, PREFIX_LEN).tolist() for _ in range(num_groups)]
+    items = [(g, prefixes[g] + rng.integers(2, VOCAB, int(rng.integers(8, 25))).tolist())
+             for g in range(num_groups) for _ in range(per_group)]
+    return [items[i] for i in rng.permutation(len(items))]
+
+
+async def _generate(prompt: Sequence[int], rid: str) -> None:
+    from ray import serve
+
+    from raydix.deploy.app import ENGINE_DEPLOYMENT
+
+    handle = serve.get_deployment_handle(ENGINE_DEPLOYMENT, app_name=APP)
+    finished = False
+    async for outputs in handle.options(stream=True).generate.remote(list(prompt), PARAMS, rid):
+        finished = finished or any(out.finished for out in outputs)
+    if not finished:
+        raise RuntimeError(f"request {rid} ended without finishing")
+
+
+def send(items: Sequence[tuple[int, list[int]]], tag: str, retries: int = 0
+         ) -> tuple[dict[str, int], int]:
+    """Send `items` one at a time; returns ({request id: group} of the successful ones, the
+    number of failed attempts). A request is tried `1 + retries` times."""
+
+    async def run() -> tuple[dict[str, int], int]:
+        done: dict[str, int] = {}
+        num_failed = 0
+        for i, (group, prompt) in enumerate(items):
+            for _ in range(1 + retries):
+                rid = f"{tag}-g{group}-{i}-{uuid.uuid4().hex[:6]}"
+                try:
+                    await _generate(prompt, rid)
+                except Exception:
+                    num_failed += 1
+                    await asyncio.sleep(0.5)
+                    continue
+                done[rid] = group
+                break
+            await asyncio.sleep(PAUSE_S)
+        return done, num_failed
+
+    return asyncio.run(run())
+
+
+def by_group(done: dict[str, int], placements: dict[str, str]) -> dict[int, Counter[str]]:
+    out: dict[int, Counter[str]] = {}
+    for rid, group in done.items():
+        out.setdefault(group, Counter())[placements[rid]] += 1
+    return out
+
+
+def assert_affinity(groups: dict[int, Counter[str]]) -> None:
+    for group, counts in groups.items():
+        _, n = counts.most_common(1)[0]
+        assert n >= 0.75 * sum(counts.values()), (group, counts)
+    homes = {counts.most_common(1)[0][0] for counts in groups.values()}
+    assert len(homes) >= 2, groups  # the groups are spread, not all on one replica
+
+
+def wait_until(check, timeout_s: float, what: str) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            raise TimeoutError(what)
+        time.sleep(0.2)
+
+
+def test_shared_prefix_groups_stay_on_one_replica(cluster: Cluster) -> None:
+    items = workload(0, NUM_GROUPS, PER_GROUP)
+    done, num_failed = send(items, "affinity")
+    assert num_failed == 0 and len(done) == len(items)
+    groups = by_group(done, cluster.placements())
+    assert_affinity(groups)
+    assert len(cluster.router_replicas()) == 3
+    text = _metrics_text(cluster)
+    assert "raydix_router_decision_latency_us" in text
+    hit_lines = [line for line in text.splitlines() if line.startswith("raydix_router_hit_rate{")]
+    assert hit_lines and max(float(line.split()[-1]) for line in hit_lines) > 0.5
+
+
+def _metrics_text(cluster: Cluster) -> str:
+    import httpx
+
+    return httpx.get(f"http://127.0.0.1:{cluster.port}/metrics", timeout=30).text
+
+
+def test_killed_replica_traffic_moves_to_the_others(cluster: Cluster) -> None:
+    items = workload(1, NUM_GROUPS, PER_GROUP)
+    done, _ = send(items[:9], "before-kill")
+    groups = by_group(done, cluster.placements())
+    victim = max(groups.values(), key=lambda c: sum(c.values())).most_common(1)[0][0]
+    actor = next(a for a in ray.util.list_named_actors(all_namespaces=True)
+                 if victim in a["name"] and a["namespace"] == "serve")
+    ray.kill(ray.get_actor(actor["name"], namespace="serve"), no_restart=True)
+    # until Serve notices, a request may reach the dead replica: those are retried
+    send(items[:6], "noticing", retries=20)
+    wait_until(lambda: victim not in cluster.router_replicas(), 60,
+               "the router actor still lists the killed replica")
+    done, num_failed = send(items, "after-kill")
+    assert num_failed == 0 and len(done) == len(items)
+    placements = cluster.placements()
+    assert victim not in {placements[rid] for rid in done}
+    assert_affinity(by_group(done, placements))
+
+
+def test_scaled_up_replicas_receive_traffic(cluster: Cluster) -> None:
+    """Redeploying with 4 replicas (an imperative `serve.run` replaces every replica, Serve
+    gives each run a new code version): the router actor drops the old replicas, and the cold
+    prefixes that follow reach every new one."""
+    from ray import serve
+
+    from raydix.deploy.app import ENGINE_DEPLOYMENT
+
+    def num_running() -> int:
+        app = serve.status().applications[APP]
+        return int(app.deployments[ENGINE_DEPLOYMENT].replica_states.get("RUNNING", 0))
+
+    wait_until(lambda: num_running() == 3 and len(cluster.router_replicas()) == 3, 90,
+               "the killed replica was not replaced")
+    before = set(cluster.router_replicas())
+    cluster.deploy(replicas=4)
+    wait_until(lambda: len(cluster.router_replicas()) == 4
+               and not before & set(cluster.router_replicas()), 60,
+               "the router actor does not list exactly the 4 new replicas")
+    new = set(cluster.router_replicas())
+    items = workload(2, 8, 2)  # cold prefixes: each goes to the least loaded replica
+    done, num_failed = send(items, "scaled")
+    assert num_failed == 0 and len(done) == len(items)
+    placements = cluster.placements()
+    assert {placements[rid] for rid in done} == new
