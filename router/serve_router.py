@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 
 import numpy as np
 import ray
@@ -29,6 +30,8 @@ from .actor import router_actor_name
 
 logger = logging.getLogger(__name__)
 
+LOOKUP_RETRY_S = 1.0
+
 
 class CacheAwareRequestRouter(FIFOMixin, RequestRouter):
     def initialize_state(  # type: ignore[override]
@@ -38,6 +41,7 @@ class CacheAwareRequestRouter(FIFOMixin, RequestRouter):
         self._app_name = app_name
         self._decision_timeout_s = decision_timeout_s
         self._actor: ActorHandle | None = None
+        self._lookup_failed_at = -LOOKUP_RETRY_S
         self.num_fallbacks = 0
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
@@ -59,8 +63,16 @@ class CacheAwareRequestRouter(FIFOMixin, RequestRouter):
             self._actor = None
 
     def _router_actor(self) -> ActorHandle:
+        """The router actor's handle. Looking it up is a blocking GCS call: after a failed
+        lookup the next is tried only `LOOKUP_RETRY_S` later (routing by load meanwhile)."""
         if self._actor is None:
-            self._actor = ray.get_actor(router_actor_name(self._app_name or self.app_name))
+            if time.monotonic() - self._lookup_failed_at < LOOKUP_RETRY_S:
+                raise ValueError("the router actor was not found a moment ago")
+            try:
+                self._actor = ray.get_actor(router_actor_name(self._app_name or self.app_name))
+            except ValueError:
+                self._lookup_failed_at = time.monotonic()
+                raise
         return self._actor
 
     async def choose_replicas(

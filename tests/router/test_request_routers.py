@@ -45,10 +45,12 @@ class FakePending:
 def test_cache_aware_without_a_router_actor_routes_by_load(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The router actor does not exist: the request still gets the less loaded of two random
-    replicas, at once."""
+    """The router actor does not exist: requests still get the less loaded of two random
+    replicas, at once, and the blocking lookup is not repeated for every request."""
+    lookups: list[str] = []
 
     def no_actor(name: str) -> None:
+        lookups.append(name)
         raise ValueError(f"Failed to look up actor with name {name!r}")
 
     monkeypatch.setattr(ray, "get_actor", no_actor)
@@ -59,8 +61,10 @@ def test_cache_aware_without_a_router_actor_routes_by_load(
         router.initialize_state(decision_timeout_s=0.01)
         replicas = [FakeReplica(u) for u in ("r0", "r1", "r2")]
         chosen = ranks(await router.choose_replicas(replicas, FakePending()))  # type: ignore[arg-type]
+        await router.choose_replicas(replicas, FakePending())  # type: ignore[arg-type]
         return chosen, router.num_fallbacks
 
     chosen, num_fallbacks = asyncio.run(run())
-    assert num_fallbacks == 1
+    assert num_fallbacks == 2
+    assert lookups == ["raydix-router-unit"]  # the second request did not look again
     assert len(chosen) == 1 and len(chosen[0]) == 2 and set(chosen[0]) <= {"r0", "r1", "r2"}
