@@ -5,12 +5,19 @@ matched against the prefix cache, locked, and packed while the token budget
 (``max_prefill_tokens``), the free request rows and the memory (free + evictable, minus what
 the running requests are expected to still need) allow. A prompt that does not fit whole is
 split into chunks of at most ``chunked_prefill_size`` tokens.
+
+A waiting request whose prompt shares at least ``in_batch_prefix_threshold`` more tokens with a
+prompt being computed right now (admitted this step, or mid-prefill) than with the cache waits
+one step: computing that prefix twice would waste the step, and next step it is a cache hit.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import numpy as np
+
+from raydix.cache import RadixCache
 from raydix.workers.step import TableWrite
 
 from .batch import ScheduledBatch
@@ -26,7 +33,9 @@ def schedule_prefill(
     config = sched.config
     cache = sched.cache
     budget = config.max_prefill_tokens - batch.num_tokens
+    in_flight = RadixCache(page_size=1) if config.in_batch_prefix_threshold else None
     for req in prefilling:
+        _note_in_flight(in_flight, req)
         if budget <= 0:
             return
         assert req.row is not None
@@ -44,6 +53,10 @@ def schedule_prefill(
             continue
         fill_ids = req.fill_ids
         match = cache.match_prefix(fill_ids[:-1], req.params.extra_key)
+        if in_flight is not None:
+            shared = in_flight.match_prefix(fill_ids[:-1], req.params.extra_key).cached_len
+            if shared - match.cached_len >= config.in_batch_prefix_threshold:
+                continue  # its prefix is being computed now: a cache hit next step
         extend_len = req.fill_len - match.cached_len
         # locking the match takes its evictable part out of what allocation can evict
         room = (
@@ -79,3 +92,10 @@ def schedule_prefill(
         sched.running.append(req)
         batch.add(req, num, slots)
         budget -= num
+        _note_in_flight(in_flight, req)
+
+
+def _note_in_flight(in_flight: RadixCache | None, req: Request) -> None:
+    if in_flight is not None:
+        fill_ids = req.fill_ids
+        in_flight.insert(fill_ids, np.zeros(len(fill_ids), dtype=np.int32), req.params.extra_key)

@@ -123,3 +123,19 @@ def test_prompts_stuck_in_chunked_prefill_make_room_and_all_finish() -> None:
     assert finished == {"r0", "r1", "r2"}
     assert sched.stats.num_retractions > 0
     assert sched.cache.available_size() == sched.cache.capacity
+
+
+def test_a_prefix_being_computed_is_not_computed_twice_in_one_step() -> None:
+    sched = _scheduler(max_prefill_tokens=200)
+    shared = list(range(10, 74))  # 64 tokens, nothing cached yet
+    sched.add_request(_req("first", shared + [1, 2]))
+    sched.add_request(_req("second", shared + [3, 4]))
+    sched.add_request(_req("other", list(range(100, 140))))
+    assert _run_step(sched) == ["first", "other"]  # "second" waits for the shared prefix
+    assert _run_step(sched)[-1] == "second"
+    second = next(r for r in sched.running if r.rid == "second")
+    assert second.cached_tokens == 64
+    off = _scheduler(max_prefill_tokens=200, in_batch_prefix_threshold=0)
+    off.add_request(_req("first", shared + [1, 2]))
+    off.add_request(_req("second", shared + [3, 4]))
+    assert _run_step(off) == ["first", "second"]
