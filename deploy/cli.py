@@ -132,10 +132,10 @@ def serve_forever(config: AppConfig) -> None:
 def _drop_router_actor(app_name: str) -> None:
     import ray
 
-    from raydix.router.actor import router_actor_name
+    from raydix.router.actor import get_router
 
     with contextlib.suppress(ValueError):  # never made (another router, or no replica)
-        ray.kill(ray.get_actor(router_actor_name(app_name)), no_restart=True)
+        ray.kill(get_router(app_name), no_restart=True)
 
 
 def _interrupt(signum: int, frame: object) -> None:

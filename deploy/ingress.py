@@ -122,11 +122,11 @@ class OpenAIIngress:
         not reachable (it is made by the first engine replica)."""
         import ray
 
-        from raydix.router.actor import router_actor_name
+        from raydix.router.actor import get_router
 
         try:
-            name = router_actor_name(serve.get_replica_context().app_name)
-            actor = await asyncio.to_thread(ray.get_actor, name)  # a GCS lookup: off the loop
+            app_name = serve.get_replica_context().app_name
+            actor = await asyncio.to_thread(get_router, app_name)  # a GCS lookup: off the loop
             stats: dict[str, float] = await asyncio.wait_for(actor.stats.remote(), 5.0)
         except (ValueError, asyncio.TimeoutError, ray.exceptions.RayError) as e:
             logger.debug("no router stats: %r", e)

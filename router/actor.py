@@ -20,10 +20,16 @@ from .policy import RoutingDecision, RoutingPolicyConfig
 from .state import RouterState
 
 ROUTER_ACTOR_PREFIX = "raydix-router"
+ROUTER_NAMESPACE = "raydix"  # one namespace, so the replicas, proxies and drivers all find it
 
 
 def router_actor_name(app_name: str) -> str:
     return f"{ROUTER_ACTOR_PREFIX}-{app_name}"
+
+
+def get_router(app_name: str) -> ActorHandle:
+    """The application's router actor; ValueError if there is none. A blocking GCS lookup."""
+    return ray.get_actor(router_actor_name(app_name), namespace=ROUTER_NAMESPACE)
 
 
 class RouterActor:
@@ -99,7 +105,8 @@ def get_or_create_router(
     left by an earlier deployment of the app with other settings is reset to these."""
     remote = ray.remote(num_cpus=0, max_restarts=-1)(RouterActor)
     actor = remote.options(
-        name=router_actor_name(app_name), get_if_exists=True, lifetime="detached",
+        name=router_actor_name(app_name), namespace=ROUTER_NAMESPACE, get_if_exists=True,
+        lifetime="detached",
         scheduling_strategy="DEFAULT",  # never inside the caller's placement group
     ).remote(page_size, policy, exact)
     actor.configure.remote(page_size, policy, exact)  # ordered before this caller's next calls

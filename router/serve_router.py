@@ -26,7 +26,7 @@ from ray.serve.request_router import (
     RunningReplica,
 )
 
-from .actor import router_actor_name
+from .actor import get_router
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ class CacheAwareRequestRouter(FIFOMixin, RequestRouter):
             if time.monotonic() - self._lookup_failed_at < LOOKUP_RETRY_S:
                 raise ValueError("the router actor was not found a moment ago")
             try:
-                self._actor = ray.get_actor(router_actor_name(self._app_name or self.app_name))
+                self._actor = get_router(self._app_name or self.app_name)
             except ValueError:
                 self._lookup_failed_at = time.monotonic()
                 raise

@@ -11,7 +11,7 @@ import pytest
 import ray
 
 from raydix.cache import EventBuffer, RadixCache
-from raydix.router.actor import get_or_create_router, router_actor_name
+from raydix.router.actor import get_or_create_router, get_router
 
 pytestmark = pytest.mark.ray
 
@@ -26,7 +26,7 @@ def ray_local() -> Iterator[None]:
 def test_router_actor_routes_by_published_events(ray_local: None) -> None:
     router = get_or_create_router("unit", page_size=2)
     assert get_or_create_router("unit", page_size=2)._actor_id == router._actor_id
-    assert ray.get_actor(router_actor_name("unit"))._actor_id == router._actor_id
+    assert get_router("unit")._actor_id == router._actor_id
     buffer = EventBuffer()
     cache = RadixCache(page_size=2, event_sink=buffer)
     cache.insert(list(range(100, 140)), list(range(2, 42)))

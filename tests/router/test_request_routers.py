@@ -49,7 +49,7 @@ def test_cache_aware_without_a_router_actor_routes_by_load(
     replicas, at once, and the blocking lookup is not repeated for every request."""
     lookups: list[str] = []
 
-    def no_actor(name: str) -> None:
+    def no_actor(name: str, namespace: str | None = None) -> None:
         lookups.append(name)
         raise ValueError(f"Failed to look up actor with name {name!r}")
 

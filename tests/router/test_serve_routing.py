@@ -31,7 +31,7 @@ from raydix.cluster.engine import Engine
 from raydix.cluster.request import GenerationParams
 from raydix.deploy.config import AppConfig
 from raydix.deploy.server import ReplicaSettings
-from raydix.router.actor import router_actor_name
+from raydix.router.actor import get_router
 
 pytestmark = pytest.mark.ray
 
@@ -117,7 +117,7 @@ class Cluster:
         return out
 
     def router_replicas(self) -> list[str]:
-        router = ray.get_actor(router_actor_name(APP))
+        router = get_router(APP)
         return list(ray.get(router.replica_ids.remote(), timeout=30))
 
 
