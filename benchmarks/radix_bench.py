@@ -15,6 +15,7 @@ import argparse
 import statistics
 import sys
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _list_radix import ListRadixCache
 
 from raydix.cache import RadixCache
+
+Key = np.ndarray | list[int]
 
 TARGET_MATCH_US = 5.0
 TARGET_INSERT_US = 15.0
@@ -44,26 +47,28 @@ def make_trace(
     return [trace[i] for i in order]
 
 
-def run_raydix(trace: list[np.ndarray], page_size: int) -> dict[str, float]:
-    cache = RadixCache(page_size=page_size)
+def _time_trace(
+    keys: Sequence[Key],
+    match_len: Callable[[Key], int],
+    insert: Callable[[Key, int], None],
+    evict: Callable[[int], int],
+) -> dict[str, float]:
+    """Match then insert every request (slots from a running counter), then evict 100k."""
     match_ns, insert_ns = [], []
     hit = total = 0
-    next_slot = page_size
-    for tokens in trace:
+    next_slot = 16
+    for key in keys:
         t0 = time.perf_counter_ns()
-        match = cache.match_prefix(tokens)
+        hit += match_len(key)
         t1 = time.perf_counter_ns()
-        slots = np.arange(next_slot, next_slot + len(tokens), dtype=np.int32)
-        next_slot += len(tokens)
+        insert(key, next_slot)
         t2 = time.perf_counter_ns()
-        cache.insert(tokens, slots)
-        t3 = time.perf_counter_ns()
+        next_slot += len(key)
         match_ns.append(t1 - t0)
-        insert_ns.append(t3 - t2)
-        hit += match.cached_len
-        total += len(tokens)
+        insert_ns.append(t2 - t1)
+        total += len(key)
     t0 = time.perf_counter_ns()
-    evicted = len(cache.evict(100_000))
+    evicted = evict(100_000)
     evict_ns = time.perf_counter_ns() - t0
     return {
         "hit_rate": hit / total,
@@ -73,37 +78,28 @@ def run_raydix(trace: list[np.ndarray], page_size: int) -> dict[str, float]:
         "insert_p50_us": statistics.median(insert_ns) / 1e3,
         "evict_ms_per_100k": evict_ns / 1e6 * 100_000 / evicted,
     }
+
+
+def run_raydix(trace: list[np.ndarray], page_size: int) -> dict[str, float]:
+    cache = RadixCache(page_size=page_size)
+    slot_ids = np.arange(16, 16 + sum(map(len, trace)), dtype=np.int32)  # made before timing
+    return _time_trace(
+        trace,
+        lambda key: cache.match_prefix(key).cached_len,
+        lambda key, first: cache.insert(key, slot_ids[first - 16 : first - 16 + len(key)]),
+        lambda num: len(cache.evict(num)),
+    )
 
 
 def run_baseline(trace: list[np.ndarray], page_size: int) -> dict[str, float]:
     cache = ListRadixCache(page_size=page_size)
-    lists = [tokens.tolist() for tokens in trace]
-    match_ns, insert_ns = [], []
-    hit = total = 0
-    next_slot = page_size
-    for tokens in lists:
-        t0 = time.perf_counter_ns()
-        hit += len(cache.match_prefix(tokens))
-        t1 = time.perf_counter_ns()
-        slots = list(range(next_slot, next_slot + len(tokens)))
-        next_slot += len(tokens)
-        t2 = time.perf_counter_ns()
-        cache.insert(tokens, slots)
-        t3 = time.perf_counter_ns()
-        match_ns.append(t1 - t0)
-        insert_ns.append(t3 - t2)
-        total += len(tokens)
-    t0 = time.perf_counter_ns()
-    evicted = cache.evict(100_000)
-    evict_ns = time.perf_counter_ns() - t0
-    return {
-        "hit_rate": hit / total,
-        "match_us": statistics.mean(match_ns) / 1e3,
-        "insert_us": statistics.mean(insert_ns) / 1e3,
-        "match_p50_us": statistics.median(match_ns) / 1e3,
-        "insert_p50_us": statistics.median(insert_ns) / 1e3,
-        "evict_ms_per_100k": evict_ns / 1e6 * 100_000 / evicted,
-    }
+    slot_ids = list(range(16, 16 + sum(map(len, trace))))
+    return _time_trace(
+        [tokens.tolist() for tokens in trace],
+        lambda key: len(cache.match_prefix(key)),
+        lambda key, first: cache.insert(key, slot_ids[first - 16 : first - 16 + len(key)]),
+        cache.evict,
+    )
 
 
 def best_of(runs: list[dict[str, float]]) -> dict[str, float]:
