@@ -33,7 +33,10 @@ def schedule_prefill(
     config = sched.config
     cache = sched.cache
     budget = config.max_prefill_tokens - batch.num_tokens
-    in_flight = RadixCache(page_size=1) if config.in_batch_prefix_threshold else None
+    # only waiting requests can be held back, so the in-flight tree is built only for them
+    in_flight = (
+        RadixCache(page_size=1) if config.in_batch_prefix_threshold and sched.waiting else None
+    )
     for req in prefilling:
         _note_in_flight(in_flight, req)
         if budget <= 0:

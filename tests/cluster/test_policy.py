@@ -41,22 +41,16 @@ def _warm(sched: Scheduler, prompt: list[int]) -> None:
         _run_step(sched)
 
 
-def test_lpm_admits_the_longest_cached_prefix_first() -> None:
-    sched = _scheduler(schedule_policy="lpm", max_prefill_tokens=40)
+@pytest.mark.parametrize(("policy", "first"), [("lpm", "hot"), ("fcfs", "cold")])
+def test_lpm_puts_the_longest_cached_prefix_first_and_fcfs_keeps_arrival_order(
+    policy: str, first: str
+) -> None:
+    sched = _scheduler(schedule_policy=policy, max_prefill_tokens=40)
     shared = list(range(10, 40))
     _warm(sched, shared + [1])
     sched.add_request(_req("cold", list(range(100, 130))))
-    sched.add_request(_req("hot", shared + [2, 3]))
-    assert _run_step(sched)[0] == "hot"  # 30 cached tokens beat arrival order
-
-
-def test_fcfs_keeps_arrival_order() -> None:
-    sched = _scheduler(schedule_policy="fcfs", max_prefill_tokens=40)
-    shared = list(range(10, 40))
-    _warm(sched, shared + [1])
-    sched.add_request(_req("cold", list(range(100, 130))))
-    sched.add_request(_req("hot", shared + [2, 3]))
-    assert _run_step(sched)[0] == "cold"
+    sched.add_request(_req("hot", shared + [2, 3]))  # 30 cached tokens
+    assert _run_step(sched)[0] == first
 
 
 def test_priority_runs_larger_priority_first() -> None:
