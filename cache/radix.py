@@ -26,7 +26,7 @@ from .base import CachedPrefix, MatchResult, PrefixCache, PrefixHandle, SizeInfo
 from .events import CacheEvent, EventKind, EventSink
 from .radix_audit import check_tree
 from .req_table import SlotArray
-from .tree_node import TreeNode, as_token_array
+from .tree_node import TreeNode, as_token_array, common_page_bytes
 
 _ITEM = 4  # bytes per int32 token id
 _EMPTY = np.zeros(0, dtype=np.int32)
@@ -123,7 +123,7 @@ class RadixCache(PrefixCache):
                 children = child.children
                 pos += len(child_key)
                 continue
-            split_len = self._match_len(child_key, data, pos, num_bytes)
+            split_len = common_page_bytes(child_key, data, pos, num_bytes, page_bytes) // _ITEM
             node = self._split(child, split_len)
             node.last_access = tick
             if collect:
@@ -131,15 +131,6 @@ class RadixCache(PrefixCache):
             pos += split_len * _ITEM
             break
         return node, pos // _ITEM, values
-
-    def _match_len(self, child_key: bytes, data: bytes, pos: int, end: int) -> int:
-        """Matched tokens between ``child_key`` and ``data[pos:end]``, rounded down to pages."""
-        num = min(len(child_key), end - pos) // _ITEM
-        ours = np.frombuffer(child_key, dtype=np.int32, count=num)
-        theirs = np.frombuffer(data, dtype=np.int32, count=num, offset=pos)
-        differ = ours != theirs
-        first = int(differ.argmax()) if differ.any() else num
-        return first // self.page_size * self.page_size
 
     def _split(self, child: TreeNode, split_len: int) -> TreeNode:
         """``parent -> child`` becomes ``parent -> upper -> child``; returns ``upper``."""

@@ -34,3 +34,13 @@ def as_token_array(token_ids: npt.ArrayLike) -> TokenArray:
     if key.ndim != 1:
         raise ValueError(f"token ids must be one-dimensional, got shape {key.shape}")
     return key
+
+
+def common_page_bytes(key: bytes, data: bytes, pos: int, end: int, page_bytes: int) -> int:
+    """Bytes of whole pages on which ``key`` and ``data[pos:end]`` agree (int32 token ids)."""
+    num = min(len(key), end - pos) // 4
+    ours = np.frombuffer(key, dtype=np.int32, count=num)
+    theirs = np.frombuffer(data, dtype=np.int32, count=num, offset=pos)
+    differ = ours != theirs
+    matched = (int(differ.argmax()) if differ.any() else num) * 4
+    return matched // page_bytes * page_bytes

@@ -22,6 +22,7 @@ import numpy as np
 import numpy.typing as npt
 
 from raydix.cache import CacheEvent, EventKind
+from raydix.cache.tree_node import common_page_bytes
 
 ReplicaId = Hashable
 TokenArray = npt.NDArray[np.int32]
@@ -78,7 +79,7 @@ class GlobalPrefixTree:
                     matched[replica] = pos // _ITEM
                 node = child
                 continue
-            num = _common_len(child.key, data, pos, page)
+            num = common_page_bytes(child.key, data, pos, len(data), page)
             for replica in child.replicas:
                 matched[replica] = (pos + num) // _ITEM
             break
@@ -112,7 +113,7 @@ class GlobalPrefixTree:
                 node.children[data[pos : pos + page]] = child
                 self._num_tokens += (len(data) - pos) // _ITEM
             elif not data.startswith(child.key, pos):
-                child = self._split(child, _common_len(child.key, data, pos, page))
+                child = self._split(child, common_page_bytes(child.key, data, pos, len(data), page))
             child.replicas.add(replica)
             child.last_access = self._tick
             pos += len(child.key)
@@ -249,13 +250,3 @@ class GlobalPrefixTree:
             total += len(node.key) // _ITEM
         if total != self._num_tokens:
             raise RuntimeError(f"token count {self._num_tokens} differs from the nodes ({total})")
-
-
-def _common_len(key: bytes, data: bytes, pos: int, page_bytes: int) -> int:
-    """Matched bytes between ``key`` and ``data[pos:]``, in whole pages."""
-    num = min(len(key), len(data) - pos) // _ITEM
-    ours = np.frombuffer(key, dtype=np.int32, count=num)
-    theirs = np.frombuffer(data, dtype=np.int32, count=num, offset=pos)
-    differ = ours != theirs
-    matched = (int(differ.argmax()) if differ.any() else num) * _ITEM
-    return matched // page_bytes * page_bytes
