@@ -105,7 +105,9 @@ def get_or_create_router(
     left by an earlier deployment of the app with other settings is reset to these."""
     remote = ray.remote(num_cpus=0, max_restarts=-1)(RouterActor)
     actor = remote.options(
-        name=router_actor_name(app_name), namespace=ROUTER_NAMESPACE, get_if_exists=True,
+        name=router_actor_name(app_name),
+        namespace=ROUTER_NAMESPACE,
+        get_if_exists=True,
         lifetime="detached",
         scheduling_strategy="DEFAULT",  # never inside the caller's placement group
     ).remote(page_size, policy, exact)
