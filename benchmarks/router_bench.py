@@ -13,7 +13,15 @@ cache hit rate (usage cached_tokens / prompt_tokens), output throughput, mean an
 first token; then cache_aware's ratios to the others. It starts a local Ray (or joins
 --address) and deploys each router's app in turn. `--quick` is a small smoke run for a laptop.
 
-    python benchmarks/router_bench.py http [--replicas 4] [--concurrency 32] [--quick]
+Each replica's KV pool holds `--kv-tokens` tokens (default 6,144): its share of the running
+requests plus about four of the sixteen 512-token prefixes, so the prefixes in use (8,192 tokens)
+are more than one replica holds and less than the four hold together. That is the regime a
+cache-aware router is for: round robin makes every replica cache every group, and they evict
+each other's work; cache-aware routing lets each replica keep its own groups. `--kv-tokens
+100000` takes the pressure away (every replica holds everything) for comparison.
+
+    python benchmarks/router_bench.py http [--replicas 4] [--concurrency 32] [--kv-tokens N]
+        [--quick] [--plot benchmarks/router_policies.png] [--json out.json]
 """
 
 from __future__ import annotations
@@ -134,8 +142,8 @@ def http_compare(args: argparse.Namespace) -> None:
         ray.init(address=args.address)
     else:
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-        ray.init(num_cpus=max(os.cpu_count() or 1, args.replicas + 1), include_dashboard=False,
-                 log_to_driver=False)
+        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, args.replicas + 1),
+                 include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": args.port})
     url = f"http://127.0.0.1:{args.port}"
     results: dict[str, dict[str, float]] = {}
@@ -143,7 +151,8 @@ def http_compare(args: argparse.Namespace) -> None:
         for router in args.routers:
             config = AppConfig(served_model_name="bench", replicas=args.replicas, router=router,
                                max_context_len=prefix_len + question_len + max_tokens + 8,
-                               max_running_requests=args.concurrency)
+                               max_running_requests=args.concurrency,
+                               max_total_tokens=args.kv_tokens)
             serve.run(build_app(config), name="bench", route_prefix="/")
             asyncio.run(run_workload(url, warmup, 1, args.replicas))  # no prefix in common
             results[router] = asyncio.run(run_workload(url, prompts, max_tokens,
@@ -156,6 +165,13 @@ def http_compare(args: argparse.Namespace) -> None:
     finally:
         serve.shutdown()
         ray.shutdown()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"kv_tokens": args.kv_tokens, "replicas": args.replicas,
+                       "results": results}, f, indent=2)
+    if args.plot:
+        plot(results, args.plot, f"{args.replicas} replicas, {groups}x{per_group} shared-prefix "
+                                 f"requests, KV pool {args.kv_tokens:,} tokens each")
     if "cache_aware" not in results:
         return
     ca = results["cache_aware"]
@@ -165,6 +181,29 @@ def http_compare(args: argparse.Namespace) -> None:
         print(f"cache_aware vs {other}: hit rate {ca['hit_rate'] / max(r['hit_rate'], 1e-9):.2f}x"
               f" (target >= 3), throughput {ca['throughput'] / r['throughput']:.2f}x (target "
               f">= 1.5), p99 TTFT {r['ttft_p99'] / ca['ttft_p99']:.2f}x lower (target >= 2)")
+
+
+def plot(results: dict[str, dict[str, float]], path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(results)
+    panels = (("hit_rate", "cache hit rate"), ("throughput", "output tokens / s"),
+              ("ttft_p99", "p99 time to first token (s)"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(12, 3.8))
+    for ax, (key, label) in zip(axes, panels, strict=True):
+        values = [results[n][key] for n in names]
+        bars = ax.bar(names, values, color=["tab:green" if n == "cache_aware" else "tab:gray"
+                                            for n in names])
+        ax.bar_label(bars, fmt="%.2f")
+        ax.set_title(label)
+        ax.tick_params(axis="x", labelrotation=15)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"plot written to {path}")
 
 
 def main() -> None:
@@ -181,6 +220,10 @@ def main() -> None:
     http.add_argument("--routers", nargs="+", choices=ROUTERS, default=list(ROUTERS))
     http.add_argument("--port", type=int, default=8123)
     http.add_argument("--address", help="join this Ray cluster (default: a local Ray)")
+    http.add_argument("--kv-tokens", type=int, default=6144,
+                      help="KV pool tokens per replica (see the module docstring)")
+    http.add_argument("--plot", help="write a PNG of hit rate, throughput and p99 TTFT")
+    http.add_argument("--json", help="write the results as JSON")
     http.add_argument("--quick", action="store_true",
                       help="4 groups x 4 prompts, 128-token prefixes, 4 output tokens")
     args = parser.parse_args()

@@ -83,13 +83,14 @@ class RouterActor:
         return sorted(str(r) for r in self.state.replicas)
 
     async def stats(self) -> dict[str, float]:
-        """Decision latency and per-replica hit rates, for /metrics."""
+        """Decision latency, and per replica its decisions and hit rate, for /metrics."""
         out = {
             "decision_p50_us": self.state.stats.percentile_us(50),
             "decision_p99_us": self.state.stats.percentile_us(99),
             "tree_tokens": float(self.state.tree.num_tokens),
         }
         for name, load in self.state.replicas.items():
+            out[f"decisions:{name}"] = float(load.decisions)
             if load.prompt_tokens:
                 out[f"hit_rate:{name}"] = load.hit_tokens / load.prompt_tokens
         return out

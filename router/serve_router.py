@@ -4,8 +4,9 @@ Set on the engine deployment with ``RequestRouterConfig(request_router_class=...
 request it asks the application's router actor which replica holds the longest prefix of the
 prompt's token ids (the first argument of ``EngineServer.generate``). If the actor does not
 answer within ``decision_timeout_s`` (or is gone), the least loaded of two random replicas gets
-the request, so routing never waits on the router. Serve keeps health checks, retries and
-autoscaling.
+the request, so routing never waits on the router. The chosen replica is offered first (and
+again, `HOLDER_TRIES` times in all, if it misses Serve's queue-length deadline), then the others,
+so a full replica never holds a request back. Serve keeps health checks, retries and autoscaling.
 """
 
 from __future__ import annotations
@@ -31,6 +32,10 @@ from .actor import get_router
 logger = logging.getLogger(__name__)
 
 LOOKUP_RETRY_S = 1.0
+# Serve asks a replica for its queue length (0.1 s deadline, doubling on each try) when it has
+# none cached, as after start-up or an idle spell. The chosen replica gets this many tries before
+# the others are considered: on a busy host one missed deadline must not split a group.
+HOLDER_TRIES = 3
 
 
 class CacheAwareRequestRouter(FIFOMixin, RequestRouter):
@@ -88,7 +93,8 @@ class CacheAwareRequestRouter(FIFOMixin, RequestRouter):
             chosen = await self._ask_router(prompt, _extra_key(pending_request), list(by_id))
             if chosen is not None and chosen in by_id:
                 first = by_id[chosen]
-                return [[first], [r for r in candidate_replicas if r is not first]]
+                others = [r for r in candidate_replicas if r is not first]
+                return [[first]] * HOLDER_TRIES + [others]
         self.num_fallbacks += 1
         return [self._power_of_two(candidate_replicas)]
 

@@ -1,7 +1,9 @@
 """What the router knows: the global prefix tree, and each replica's load.
 
-Exact mode mirrors the replicas' own cache events. Approximate mode (events off) records each
-routing decision in the tree instead, capped at ``max_approx_tokens`` with LRU eviction.
+Exact mode mirrors the replicas' own cache events, and holds each routing decision aside
+(``InFlightPrefixes``) until the chosen replica's events confirm it, so the requests of one group
+that arrive together follow the first one. Approximate mode (events off) records each routing
+decision in the tree instead, capped at ``max_approx_tokens`` with LRU eviction.
 
 A replica's load is its running plus waiting requests, plus the requests routed to it that it
 has not reported yet (``routed - received``), so a burst routed between two load reports is not
@@ -19,6 +21,7 @@ import numpy.typing as npt
 
 from raydix.cache import CacheEvent
 
+from .in_flight import InFlightPrefixes
 from .policy import CacheAwarePolicy, RoutingDecision, RoutingPolicyConfig
 from .tree import GlobalPrefixTree
 
@@ -62,8 +65,10 @@ class RouterState:
         policy: RoutingPolicyConfig | None = None,
         exact: bool = True,
         max_approx_tokens: int = 4_000_000,
+        in_flight_ttl_s: float = 30.0,
     ) -> None:
         self.tree = GlobalPrefixTree(page_size)
+        self.in_flight = InFlightPrefixes(page_size, in_flight_ttl_s)
         self.policy = CacheAwarePolicy(policy)
         self.exact = exact
         self.max_approx_tokens = max_approx_tokens
@@ -75,6 +80,7 @@ class RouterState:
         live = set(replicas)
         for gone in set(self.replicas) - live:
             self.tree.drop_replica(gone)
+            self.in_flight.drop_replica(gone)
             del self.replicas[gone]
         for new in live - set(self.replicas):
             self.replicas[new] = ReplicaLoad()
@@ -91,6 +97,10 @@ class RouterState:
             self.replicas.setdefault(name, ReplicaLoad())
         tokens = np.asarray(token_ids, dtype=np.int32)
         matched = self.tree.match(tokens, extra_key)
+        if self.exact:
+            for name, length in self.in_flight.match(tokens, extra_key).items():
+                if length > matched.get(name, 0):
+                    matched[name] = length
         loads = {name: self.replicas[name].load for name in names}
         decision = self.policy.choose(names, len(tokens), matched, loads)
         chosen = self.replicas[decision.replica]
@@ -98,7 +108,9 @@ class RouterState:
         chosen.decisions += 1
         chosen.prompt_tokens += len(tokens)
         chosen.hit_tokens += decision.matched_len
-        if not self.exact:
+        if self.exact:
+            self.in_flight.add(decision.replica, tokens, extra_key)
+        else:
             aligned = len(tokens) // self.tree.page_size * self.tree.page_size
             self.tree.insert(decision.replica, tokens[:aligned], extra_key)
             self.tree.evict_lru(self.max_approx_tokens)
@@ -118,6 +130,10 @@ class RouterState:
                 self.tree.drop_replica(replica)
             state.last_event_seq = event.seq
             self.tree.apply_event(replica, event)
+        if events:
+            self.in_flight.confirm(
+                replica, lambda tokens, key: self.tree.match(tokens, key).get(replica, 0)
+            )
 
     def report_load(
         self,

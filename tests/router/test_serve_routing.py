@@ -98,6 +98,7 @@ class Cluster:
         self.model = model
         self.log_dir = log_dir
         self.port = port
+        self.survivors: set[str] = set()  # the replicas that outlived the killed one
 
     def deploy(self, replicas: int) -> None:
         from ray import serve
@@ -233,6 +234,21 @@ def test_shared_prefix_groups_stay_on_one_replica(cluster: Cluster) -> None:
     assert hit_lines and max(float(line.split()[-1]) for line in hit_lines) > 0.5
 
 
+def test_a_burst_of_cold_requests_keeps_each_group_together(cluster: Cluster) -> None:
+    """All requests at once, cold prefixes: no cache event can reach the router between the
+    decisions, so only its record of the decisions in flight keeps a group together."""
+    items = workload(4, NUM_GROUPS, 6)
+
+    async def burst() -> dict[str, int]:
+        sent = {f"burst-g{g}-{i}-{uuid.uuid4().hex[:6]}": (g, p)
+                for i, (g, p) in enumerate(items)}
+        await asyncio.gather(*(_generate(p, rid) for rid, (_, p) in sent.items()))
+        return {rid: g for rid, (g, _) in sent.items()}
+
+    done = asyncio.run(burst())
+    assert_affinity(by_group(done, cluster.placements()))
+
+
 def _metrics_text(cluster: Cluster) -> str:
     import httpx
 
@@ -246,6 +262,7 @@ def test_killed_replica_traffic_moves_to_the_others(cluster: Cluster) -> None:
     victim = max(groups.values(), key=lambda c: sum(c.values())).most_common(1)[0][0]
     actor = next(a for a in ray.util.list_named_actors(all_namespaces=True)
                  if victim in a["name"] and a["namespace"] == "serve")
+    cluster.survivors = set(cluster.router_replicas()) - {victim}
     ray.kill(ray.get_actor(actor["name"], namespace="serve"), no_restart=True)
     # until Serve notices, a request may reach the dead replica: those are retried
     send(items[:6], "noticing", retries=20)
@@ -258,20 +275,33 @@ def test_killed_replica_traffic_moves_to_the_others(cluster: Cluster) -> None:
     assert_affinity(by_group(done, placements))
 
 
-def test_scaled_up_replicas_receive_traffic(cluster: Cluster) -> None:
-    """Redeploying with 4 replicas (an imperative `serve.run` replaces every replica, Serve
-    gives each run a new code version): the router actor drops the old replicas, and the cold
-    prefixes that follow reach every new one."""
+def test_replacement_replica_receives_traffic_next_to_running_ones(cluster: Cluster) -> None:
+    """Serve replaces the killed replica while the two others keep running: the router actor
+    lists the new one beside them, and cold prefixes reach all three."""
+    wait_until(lambda: num_running() == 3 and len(cluster.router_replicas()) == 3, 90,
+               "the killed replica was not replaced")
+    now = set(cluster.router_replicas())
+    assert len(cluster.survivors) == 2 and cluster.survivors < now
+    items = workload(3, 9, 1)  # cold prefixes: each goes to the least loaded replica
+    done, num_failed = send(items, "replaced")
+    assert num_failed == 0 and len(done) == len(items)
+    placements = cluster.placements()
+    assert {placements[rid] for rid in done} == now
+
+
+def num_running() -> int:
     from ray import serve
 
     from raydix.deploy.app import ENGINE_DEPLOYMENT
 
-    def num_running() -> int:
-        app = serve.status().applications[APP]
-        return int(app.deployments[ENGINE_DEPLOYMENT].replica_states.get("RUNNING", 0))
+    app = serve.status().applications[APP]
+    return int(app.deployments[ENGINE_DEPLOYMENT].replica_states.get("RUNNING", 0))
 
-    wait_until(lambda: num_running() == 3 and len(cluster.router_replicas()) == 3, 90,
-               "the killed replica was not replaced")
+
+def test_scaled_up_replicas_receive_traffic(cluster: Cluster) -> None:
+    """Redeploying with 4 replicas (an imperative `serve.run` replaces every replica, Serve
+    gives each run a new code version): the router actor drops the old replicas, and the cold
+    prefixes that follow reach every new one."""
     before = set(cluster.router_replicas())
     cluster.deploy(replicas=4)
     wait_until(lambda: len(cluster.router_replicas()) == 4

@@ -1,8 +1,11 @@
-"""Router state: loads with in-flight requests, event gaps, replicas leaving, approximate mode."""
+"""Router state: loads and decisions in flight, event gaps, replicas leaving, approximate mode."""
 
 from __future__ import annotations
 
+import numpy as np
+
 from raydix.cache import EventBuffer, RadixCache
+from raydix.router.in_flight import InFlightPrefixes
 from raydix.router.state import RouterState
 
 PROMPT = list(range(100, 164))
@@ -52,3 +55,78 @@ def test_approximate_mode_is_capped() -> None:
         state.route(list(range(i * 1000, i * 1000 + 40)))
     assert state.tree.num_tokens <= 100
     assert state.stats.percentile_us(99) > 0
+
+
+def _group_prompts(groups: int, per_group: int) -> list[tuple[int, list[int]]]:
+    """(group, prompt): a 64-token prefix per group and an 8-token question, interleaved."""
+    return [(g, [g * 1000 + t for t in range(64)] + [5000 + 10 * q + g for q in range(8)])
+            for q in range(per_group) for g in range(groups)]
+
+
+def test_concurrent_cold_requests_of_a_group_follow_the_first() -> None:
+    # No event arrives between the decisions (they are all in flight): each group still lands
+    # on one replica, and the groups spread over the replicas.
+    state = RouterState(page_size=4)
+    state.set_replicas(["a", "b", "c"])
+    where: dict[int, set[str]] = {}
+    for group, prompt in _group_prompts(3, 6):
+        where.setdefault(group, set()).add(str(state.route(prompt).replica))
+    assert all(len(r) == 1 for r in where.values()), where
+    assert {r.pop() for r in where.values()} == {"a", "b", "c"}
+
+
+def test_without_in_flight_records_a_group_would_spread() -> None:
+    # The same stream with the records dropped after each decision: this is what the records
+    # prevent (the test above would pass for nothing if the spread never happened).
+    state = RouterState(page_size=4)
+    state.set_replicas(["a", "b", "c"])
+    where: dict[int, set[str]] = {}
+    for group, prompt in _group_prompts(3, 6):
+        where.setdefault(group, set()).add(str(state.route(prompt).replica))
+        for name in "abc":
+            state.in_flight.drop_replica(name)
+    assert any(len(r) > 1 for r in where.values())
+
+
+def test_in_flight_records_end_when_events_confirm_them() -> None:
+    state = RouterState(page_size=4)
+    state.set_replicas(["a", "b"])
+    first = state.route(PROMPT).replica
+    assert len(state.in_flight) == 1
+    buffer = EventBuffer()
+    cache = RadixCache(page_size=4, event_sink=buffer)
+    cache.insert(PROMPT[:32], list(range(4, 36)))
+    state.publish(first, buffer.drain())
+    assert len(state.in_flight) == 1  # half the prompt is not the prompt
+    cache.insert(PROMPT, list(range(4, 68)))
+    state.publish(first, buffer.drain())
+    assert len(state.in_flight) == 0
+    state.in_flight.check_integrity()
+    assert state.route(PROMPT).replica == first  # now from the tree itself
+
+
+def test_in_flight_records_expire_and_leave_with_their_replica() -> None:
+    now = [0.0]
+    state = RouterState(page_size=4)
+    state.in_flight = InFlightPrefixes(page_size=4, ttl_s=10.0, clock=lambda: now[0])
+    state.set_replicas(["a", "b"])
+    first = state.route(PROMPT).replica
+    other = "b" if first == "a" else "a"
+    state.report_load(first, 3, 0, 0.1, num_received=1)  # busier, but within the balance gap
+    assert state.route(PROMPT).replica == first
+    now[0] = 10.5  # the request never showed in the replica's events
+    assert state.in_flight.match(np.asarray(PROMPT, dtype=np.int32)) == {}
+    assert state.route(PROMPT).replica == other  # cold again: the least loaded
+    state.set_replicas([first])
+    assert len(state.in_flight) == 0
+    state.in_flight.check_integrity()
+
+
+def test_in_flight_records_are_capped() -> None:
+    records = InFlightPrefixes(page_size=1, max_entries=3)
+    for i in range(5):
+        records.add("a", np.arange(i * 10, i * 10 + 4, dtype=np.int32))
+    assert len(records) == 3
+    assert records.match(np.arange(0, 4, dtype=np.int32)) == {}  # the oldest went first
+    assert records.match(np.arange(40, 44, dtype=np.int32)) == {"a": 4}
+    records.check_integrity()
