@@ -2,9 +2,12 @@
 
 Decision latency (in-process): a global tree holding 10M cached tokens from 16 replicas
 (256 groups of a 2,048-token prefix, each with 128-token questions, spread over the replicas);
-prints p50 and p99 of one routing decision (tree match + policy), target p99 <= 200 us.
+prints p50 and p99 of one routing decision (tree match + policy), target p99 <= 200 us. Each
+decision stays in flight until `--in-flight` later decisions have been made, then the replica's
+insert event confirms it (as replicas do after their prefill).
 
     python benchmarks/router_bench.py decision [--tokens 10000000] [--replicas 16]
+        [--in-flight 64]
 
 Serving (HTTP): the shared-prefix workload (16 groups x 16 prompts, a 512-token prefix per group,
 64-token questions, 32 output tokens, shuffled) sent as token ids through the OpenAI API to N
@@ -40,7 +43,14 @@ from raydix.router.state import RouterState
 TARGET_P99_US = 200.0
 
 
-def decision_latency(num_tokens: int, num_replicas: int, page_size: int, queries: int) -> None:
+def _confirm(state: RouterState, replica: str, prompt: np.ndarray) -> None:
+    """What the replica's insert event does: the tree holds the prompt, the record ends."""
+    state.tree.insert(replica, prompt[: len(prompt) // state.tree.page_size * state.tree.page_size])
+    state.in_flight.confirm(replica, lambda t, k: state.tree.match(t, k).get(replica, 0))
+
+
+def decision_latency(num_tokens: int, num_replicas: int, page_size: int, queries: int,
+                     in_flight_depth: int) -> None:
     rng = np.random.default_rng(0)
     state = RouterState(page_size=page_size)
     replicas = [f"replica-{i}" for i in range(num_replicas)]
@@ -57,11 +67,16 @@ def decision_latency(num_tokens: int, num_replicas: int, page_size: int, queries
     for i, name in enumerate(replicas):
         state.report_load(name, i % 5, i % 3, 0.5, 0)
     lat = []
+    in_flight: list[tuple[str, np.ndarray]] = []
     for i in range(queries):
         prompt = np.concatenate((prefixes[i % 256], rng.integers(0, 50_000, 64, dtype=np.int32)))
         t0 = time.perf_counter_ns()
-        state.route(prompt)
+        decision = state.route(prompt)
         lat.append(time.perf_counter_ns() - t0)
+        # the replica computes the prompt and reports it `in_flight_depth` decisions later
+        in_flight.append((str(decision.replica), prompt))
+        if len(in_flight) > in_flight_depth:
+            _confirm(state, *in_flight.pop(0))
     us = np.array(lat) / 1e3
     p99 = float(np.percentile(us, 99))
     print(f"decision: p50 {np.median(us):.1f} us, p99 {p99:.1f} us, mean {us.mean():.1f} us "
@@ -214,6 +229,8 @@ def main() -> None:
     dec.add_argument("--replicas", type=int, default=16)
     dec.add_argument("--page-size", type=int, default=1)
     dec.add_argument("--queries", type=int, default=20_000)
+    dec.add_argument("--in-flight", type=int, default=64,
+                     help="decisions routed but not yet confirmed by the replicas' events")
     http = sub.add_parser("http", help="the routers compared through HTTP")
     http.add_argument("--replicas", type=int, default=4)
     http.add_argument("--concurrency", type=int, default=32)
@@ -228,7 +245,8 @@ def main() -> None:
                       help="4 groups x 4 prompts, 128-token prefixes, 4 output tokens")
     args = parser.parse_args()
     if args.what == "decision":
-        decision_latency(args.tokens, args.replicas, args.page_size, args.queries)
+        decision_latency(args.tokens, args.replicas, args.page_size, args.queries,
+                         args.in_flight)
     elif args.what == "http":
         http_compare(args)
 

@@ -94,7 +94,8 @@ class RouterState:
         start = time.perf_counter_ns()
         names = list(candidates) if candidates is not None else list(self.replicas)
         for name in names:
-            self.replicas.setdefault(name, ReplicaLoad())
+            if name not in self.replicas:
+                self.replicas[name] = ReplicaLoad()
         tokens = np.asarray(token_ids, dtype=np.int32)
         matched = self.tree.match(tokens, extra_key)
         if self.exact:
