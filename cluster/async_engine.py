@@ -10,6 +10,10 @@ Admission is bounded: at most ``max_running_requests + max_waiting_requests`` re
 flight; one more raises `EngineOverloadedError` at once instead of queueing without end.
 A caller that stops iterating (a client went away, the task was cancelled) aborts its request,
 which frees its KV in the engine.
+
+When a step raises (e.g. a rank died), the loop ends: every request in flight, and every later
+one, fails with `EngineDeadError`, and ``on_error`` (if given) is called once with the cause,
+from the loop thread, after the callers were told.
 """
 
 from __future__ import annotations
@@ -73,7 +77,8 @@ class AsyncEngine:
     """Runs `engine` in a daemon thread; `generate` streams one request's outputs."""
 
     def __init__(self, engine: Engine, max_waiting_requests: int = 256,
-                 retry_after_s: int = 1) -> None:
+                 retry_after_s: int = 1,
+                 on_error: Callable[[BaseException], None] | None = None) -> None:
         if max_waiting_requests < 0:
             raise ValueError(f"max_waiting_requests must be >= 0, got {max_waiting_requests}")
         self.engine = engine
@@ -87,6 +92,7 @@ class AsyncEngine:
         self._closed = False  # the loop thread has ended; commands are answered at once
         self._closed_reason = ""
         self._error: BaseException | None = None
+        self._on_error = on_error
         self._thread = threading.Thread(target=self._run, name="raydix-engine-loop", daemon=True)
         self._thread.start()
 
@@ -186,6 +192,11 @@ class AsyncEngine:
         self._sinks.clear()
         for command in pending:
             _fail(command, EngineDeadError(reason))
+        if self._error is not None and self._on_error is not None:
+            try:
+                self._on_error(self._error)
+            except Exception:
+                logger.exception("the engine's on_error callback failed")
 
     def _apply(self, command: _Add | _Abort | _Call) -> None:
         if isinstance(command, _Add):

@@ -3,7 +3,9 @@
 A replica reserves one `{"GPU": 1}` bundle per rank (one `{"CPU": 1}` bundle per rank when it
 runs without GPUs), with STRICT_PACK by default so that its ranks share a node. Waiting for the
 placement is bounded: when the cluster can't place the group in time, the error says how many
-GPUs are free and how many the replica needs, instead of hanging.
+GPUs are free and how many the replica needs, instead of hanging. A STRICT_PACK group that no
+live node could ever hold fails at once (`check_replica_fits`), for Serve's replicas too: Serve
+would otherwise keep such a replica pending without end.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ def create_replica_placement(tp_size: int, use_gpu: bool, strategy: str,
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"placement strategy must be one of {STRATEGIES}, got {strategy!r}")
+    if strategy == "STRICT_PACK" and largest_fit(tp_size, use_gpu, num_extra_cpus=0) is None:
+        raise RuntimeError(unplaceable_message(tp_size, use_gpu, strategy, 0.0))
     pg = placement_group(rank_bundles(tp_size, use_gpu), strategy=strategy)
     if wait_placed(pg, timeout_s):
         return pg
@@ -74,3 +78,41 @@ def unplaceable_message(tp_size: int, use_gpu: bool, strategy: str, timeout_s: f
             f"free, a replica needs tp={tp_size} ({strategy}{' ' + where if where else ''}; "
             f"the largest node has {largest:g} {resource}(s)). Waited {timeout_s:g} s.")
 
+
+
+def largest_fit(tp_size: int, use_gpu: bool, num_extra_cpus: int) -> dict[str, float] | None:
+    """The total resources of a live node that can hold `tp_size` ranks plus `num_extra_cpus`
+    CPUs (the engine's own bundle) at once; None when no node can, however idle."""
+    resource = "GPU" if use_gpu else "CPU"
+    need = {resource: float(tp_size)}
+    need["CPU"] = need.get("CPU", 0.0) + num_extra_cpus
+    for node in ray.nodes():
+        have = node["Resources"] if node.get("Alive") else {}
+        if have and all(have.get(k, 0.0) >= v for k, v in need.items()):
+            return dict(have)
+    return None
+
+
+def check_replica_fits(tp_size: int, use_gpu: bool, num_extra_cpus: int = 1) -> None:
+    """Raise a ValueError when no live node of the connected cluster is large enough for one
+    replica: `tp_size` GPUs (CPUs without GPUs) plus `num_extra_cpus` CPUs, all on one node,
+    as STRICT_PACK needs. Checks node sizes, not what is free: a busy node frees up."""
+    if largest_fit(tp_size, use_gpu, num_extra_cpus) is not None:
+        return
+    resource = "GPU" if use_gpu else "CPU"
+    nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+    sizes = sorted((n.get(resource, 0.0) for n in nodes), reverse=True)
+    largest = sizes[0] if sizes else 0.0
+    need = tp_size + (0 if use_gpu else num_extra_cpus)
+    if largest >= need:  # enough GPUs somewhere, but not with the engine's CPU beside them
+        raise ValueError(
+            f"a replica with tp={tp_size} needs {tp_size} {resource}(s) and {num_extra_cpus} "
+            f"CPU(s) on one node, but no node of this cluster has both (nodes' {resource}s: "
+            f"{', '.join(f'{s:g}' for s in sizes)})")
+    max_tp = int(largest) - (need - tp_size)
+    fix = f"Lower tp to at most {max_tp}, or add" if max_tp >= 1 else "Add"
+    raise ValueError(
+        f"tp={tp_size} needs {need} {resource}s on one node (a replica's ranks are packed onto "
+        f"one node), but the largest node of this cluster has {largest:g} {resource}(s) "
+        f"({len(nodes)} node(s) with {', '.join(f'{s:g}' for s in sizes)}). {fix} nodes with "
+        f"at least {need} {resource}s.")

@@ -11,10 +11,16 @@ Start-up, in order, all under one `startup_timeout_s` budget:
 Any failure or timeout kills the actors, removes a placement group made here, and raises a
 RuntimeError that names the rank and carries its error. After start-up, each `step` is one Ray
 call to rank 0, which broadcasts the plan to the other ranks over the CPU group.
+
+`check_health` (blocking, for the engine's loop thread) and `check_health_async` (for an event
+loop, e.g. Serve's health check) ask every rank at once and name each rank that died, hangs or
+whose follow loop failed.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import contextlib
 import time
 from collections.abc import Sequence
@@ -75,6 +81,9 @@ class RayTPGroup:
             self._actors = [_make_actor(placement_group, bundle_offset + r, r, use_gpu)
                             for r in range(self.tp_size)]
             self.max_num_tokens = self._start_ranks(worker_configs, deadline, startup_timeout_s)
+            self.node_ids: tuple[str, ...] = tuple(ray.get(
+                [a.node_id.remote() for a in self._actors],
+                timeout=max(deadline - time.monotonic(), 1.0)))
         except BaseException:
             self._release()
             raise
@@ -139,21 +148,35 @@ class RayTPGroup:
             raise
 
     def check_health(self) -> None:
-        """Raise a RuntimeError naming every rank whose actor died, hangs or failed."""
+        """Raise a RuntimeError naming every rank whose actor died, hangs or failed. Blocks up
+        to `HEALTH_TIMEOUT_S`."""
+        answers = self._ask_health()
+        concurrent.futures.wait(answers, timeout=HEALTH_TIMEOUT_S)
+        self._raise_if_unhealthy(answers)
+
+    async def check_health_async(self) -> None:
+        """`check_health` for an event loop: waits without blocking it."""
+        answers = self._ask_health()
+        await asyncio.wait([asyncio.wrap_future(f) for f in answers], timeout=HEALTH_TIMEOUT_S)
+        self._raise_if_unhealthy(answers)
+
+    def _ask_health(self) -> list[concurrent.futures.Future[str | None]]:
         if self._stopped:
             raise RuntimeError("the TP group is shut down")
-        refs = [a.health.remote() for a in self._actors]
-        ray.wait(refs, num_returns=len(refs), timeout=HEALTH_TIMEOUT_S)
+        return [a.health.remote().future() for a in self._actors]
+
+    def _raise_if_unhealthy(self, answers: list[concurrent.futures.Future[str | None]]) -> None:
         problems = []
-        for rank, ref in enumerate(refs):
-            try:
-                reason = ray.get(ref, timeout=0)
-            except GetTimeoutError:
-                reason = f"no answer within {HEALTH_TIMEOUT_S:g} s"
-            except RayActorError as e:
-                reason = f"its actor died ({type(e).__name__})"
-            except RayError as e:
-                reason = f"health check failed: {e}"
+        for rank, answer in enumerate(answers):
+            if not answer.done():
+                answer.cancel()
+                reason: str | None = f"no answer within {HEALTH_TIMEOUT_S:g} s"
+            elif isinstance(answer.exception(), RayActorError):
+                reason = f"its actor died ({type(answer.exception()).__name__})"
+            elif answer.exception() is not None:
+                reason = f"health check failed: {answer.exception()}"
+            else:
+                reason = answer.result()
             if reason is not None:
                 problems.append((rank, reason))
         if problems:

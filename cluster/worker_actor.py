@@ -46,6 +46,10 @@ class WorkerActor:
         self._follow_thread: threading.Thread | None = None
         self._follow_error: str | None = None
 
+    def node_id(self) -> str:
+        """The Ray node this rank runs on (hex), for placement checks and health tools."""
+        return str(ray.get_runtime_context().get_node_id())
+
     def rendezvous_address(self) -> str:
         """`tcp://node_ip:port` for the group's rendezvous; asked of rank 0 only."""
         return f"tcp://{ray.util.get_node_ip_address()}:{free_port()}"

@@ -12,6 +12,7 @@ from ray import serve
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
+from raydix.cluster.placement import check_replica_fits
 from raydix.router.serve_router import CacheAwareRequestRouter, RoundRobinRequestRouter
 
 from .config import AppConfig, engine_config, resolve_device, resolve_model_path, routing_policy
@@ -41,12 +42,17 @@ def build_app(config: AppConfig) -> Application:
 
 def bind_app(config: AppConfig, engine_factory: EngineFactory = build_engine) -> Application:
     """Bind the stats board, the engine deployment (engines made by `engine_factory`) and the
-    ingress for `config`. The default model is converted here, once, before any replica."""
-    model_path = resolve_model_path(config)
+    ingress for `config`. The default model is converted here, once, before any replica.
+
+    Connected to a Ray cluster, a replica that no node could hold is refused here with a
+    ValueError (Serve would keep it pending without end)."""
     device = resolve_device(config, _cluster_gpus())
     use_gpu = config.use_gpu_bundles if config.use_gpu_bundles is not None else device == "cuda"
-    engine = engine_config(config, model_path, device)
     bundles = replica_bundles(config.tp, use_gpu)
+    if bundles is not None and ray.is_initialized():
+        check_replica_fits(config.tp, use_gpu, num_extra_cpus=1)  # bundle 0: the engine
+    model_path = resolve_model_path(config)
+    engine = engine_config(config, model_path, device)
     scaling: dict[str, object]
     if config.autoscaling is not None:
         scaling = {"autoscaling_config": config.autoscaling.model_dump()}
@@ -61,7 +67,7 @@ def bind_app(config: AppConfig, engine_factory: EngineFactory = build_engine) ->
         # above the engine's own admission bound, so the engine answers "overloaded" (503)
         max_ongoing_requests=config.max_running_requests + config.max_waiting_requests + 64,
         ray_actor_options={"num_cpus": 1},
-        health_check_period_s=10,
+        health_check_period_s=config.health_check_period_s,
         health_check_timeout_s=60,
         graceful_shutdown_timeout_s=5,
         **scaling,  # type: ignore[arg-type]

@@ -122,6 +122,9 @@ class AppConfig(BaseModel):
         1 << 20, ge=1024, description="larger request bodies get 413"
     )
     startup_timeout_s: float = Field(600.0, gt=0, description="bound on a replica's start-up")
+    health_check_period_s: float = Field(
+        5.0, gt=0, description="how often Serve checks each engine replica (its loop and ranks)"
+    )
 
     @model_validator(mode="after")
     def _check(self) -> AppConfig:

@@ -64,3 +64,9 @@ def too_large(limit: int) -> ApiError:
 def overloaded(message: str, retry_after_s: int) -> ApiError:
     return ApiError(503, message, type="server_error", code="overloaded",
                     headers={"Retry-After": str(retry_after_s)})
+
+
+def engine_unavailable(message: str, retry_after_s: int = 5) -> ApiError:
+    """503: the engine replica that ran the request stopped or was lost; a retry can succeed."""
+    return ApiError(503, message, type="server_error", code="engine_unavailable",
+                    headers={"Retry-After": str(retry_after_s)})

@@ -4,22 +4,34 @@ their streams, and turn engine refusals into API errors.
 A choice is one (prompt, sample) pair: `n` samples of `p` prompts make `p * n` engine requests
 with ids `<request id>-<index>`. Seeded requests use `seed + sample` so the samples differ and
 stay reproducible.
+
+Faults: a request whose replica was lost (its actor died, or its engine stopped) before it
+produced anything is sent again, up to `MAX_ATTEMPTS` times in all, and the router picks a
+replica again. Once outputs have been sent on, a lost replica ends the request with a 503
+`engine_unavailable` error, never a hang and never a bare internal error.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import replace
 from typing import NamedTuple
 
+from ray.exceptions import RayActorError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from raydix.cluster.async_engine import EngineDeadError, EngineOverloadedError
 from raydix.cluster.request import GenerationParams, RequestOutput
 
-from .errors import ApiError, bad_request, overloaded
+from .errors import ApiError, bad_request, engine_unavailable, overloaded
+
+logger = logging.getLogger(__name__)
+
+MAX_ATTEMPTS = 3  # sends of one engine request whose replica is lost before it answered
+RETRY_DELAY_S = 0.2  # before the second send; doubled for each later one
 
 
 class Choice(NamedTuple):
@@ -42,13 +54,23 @@ def make_choices(request_id: str, prompts: Sequence[list[int]], params: Generati
     return choices
 
 
+def _replica_lost(error: BaseException) -> bool:
+    """The replica's actor died or is unreachable, or its engine stopped."""
+    cause = getattr(error, "cause", None) or error
+    return isinstance(error, RayActorError) or isinstance(cause, EngineDeadError)
+
+
 def _api_error(error: BaseException) -> ApiError | None:
+    if isinstance(error, ApiError):
+        return error
     cause = getattr(error, "cause", None) or error
     if isinstance(cause, EngineOverloadedError):
         return overloaded(str(cause), cause.retry_after_s)
     if isinstance(cause, EngineDeadError):
-        return ApiError(503, str(cause), type="server_error", code="engine_unavailable",
-                        headers={"Retry-After": "5"})
+        return engine_unavailable(str(cause))
+    if isinstance(error, RayActorError):
+        return engine_unavailable(f"the engine replica serving this request was lost "
+                                  f"({type(error).__name__}); retry the request")
     if isinstance(cause, ValueError):
         return bad_request(str(cause), "prompt")
     return None
@@ -59,24 +81,42 @@ class ChoiceStreams:
 
     def __init__(self, handle: DeploymentHandle, choices: list[Choice]) -> None:
         self.choices = choices
-        self._gens: list[DeploymentResponseGenerator] = [
-            handle.options(stream=True).generate.remote(c.prompt_ids, c.params, c.rid)
-            for c in choices
-        ]
+        self._handle = handle.options(stream=True)
+        self._gens: list[DeploymentResponseGenerator] = [self._send(c) for c in choices]
         self._first: list[list[RequestOutput]] = []
         self._done = [False] * len(choices)
 
+    def _send(self, choice: Choice) -> DeploymentResponseGenerator:
+        return self._handle.generate.remote(choice.prompt_ids, choice.params, choice.rid)
+
     async def start(self) -> None:
         """Wait for each request's first outputs, so refusals become errors before any byte
-        of the response is sent."""
+        of the response is sent. A request whose replica was lost meanwhile is sent again."""
         try:
-            self._first = list(await asyncio.gather(*(g.__anext__() for g in self._gens)))
+            self._first = list(await asyncio.gather(*(self._first_outputs(i)
+                                                      for i in range(len(self._gens)))))
         except BaseException as e:
             self.cancel()
             error = _api_error(e)
             if error is not None:
                 raise error from e
             raise
+
+    async def _first_outputs(self, i: int) -> list[RequestOutput]:
+        attempt = 1
+        while True:
+            try:
+                return await self._gens[i].__anext__()
+            except Exception as e:
+                if attempt >= MAX_ATTEMPTS or not _replica_lost(e):
+                    raise
+                logger.warning("request %s: its replica was lost before it answered (%s); "
+                               "sending it again", self.choices[i].rid, type(e).__name__)
+                with contextlib.suppress(Exception):
+                    self._gens[i].cancel()
+                await asyncio.sleep(RETRY_DELAY_S * 2 ** (attempt - 1))
+                self._gens[i] = self._send(self.choices[i])
+                attempt += 1
 
     async def events(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(choice position, output) in arrival order, until every request finishes."""
@@ -113,7 +153,7 @@ class ChoiceStreams:
         except asyncio.CancelledError:
             raise
         except Exception as e:
-            queue.put_nowait(e)
+            queue.put_nowait(_api_error(e) or e)
 
     def cancel(self) -> None:
         """Abort every request that has not finished (the engine frees its KV)."""

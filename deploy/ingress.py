@@ -57,6 +57,12 @@ async def _guard_stream(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
     try:
         async for chunk in chunks:
             yield chunk
+    except ApiError as e:  # e.g. the engine replica was lost: a known failure, named
+        logger.warning("a stream failed: %s", e.message)
+        body = ErrorResponse(error=ErrorInfo(message=f"the stream failed: {e.message}",
+                                             type=e.type, code=e.code))
+        yield f"data: {body.model_dump_json()}\n\n"
+        yield "data: [DONE]\n\n"
     except Exception as e:
         logger.exception("a stream failed")
         body = ErrorResponse(error=ErrorInfo(message=f"the stream failed: {e}",

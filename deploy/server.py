@@ -11,6 +11,14 @@ With the cache-aware router (`routing` set), the engine publishes its radix-cach
 `EventBuffer`, and a `ReplicaReporter` task on the replica's event loop sends them, with the
 replica's load, to the application's router actor (made here by the first replica, so it carries
 the application's name and page size).
+
+Faults: a replica whose engine can't step any more (its loop stopped, or a rank died) is of no
+use, and Serve's health check would notice only after several periods, while routers keep
+sending it requests. So the replica fails every request in flight with `EngineDeadError`, and
+a moment later (`EXIT_GRACE_S`, for those errors to reach the callers) ends its own actor:
+routers drop it at once, Serve starts a replacement, and its worker actors die with it.
+`check_health` also asks every rank (without blocking the event loop), so a rank that died
+while the replica was idle is noticed too.
 """
 
 from __future__ import annotations
@@ -23,7 +31,9 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import ray
 from ray import serve
+from ray.actor import ActorHandle
 from ray.serve.handle import DeploymentHandle
 
 from raydix.cache import EventBuffer, EventSink
@@ -33,13 +43,14 @@ from raydix.cluster.engine import Engine
 from raydix.cluster.executor import Executor, LocalExecutor
 from raydix.cluster.metrics import EngineMetrics
 from raydix.cluster.request import GenerationParams, RequestOutput
+from raydix.cluster.tp_group import RayTPGroup
 from raydix.router.actor import get_or_create_router
 from raydix.router.policy import RoutingPolicyConfig
 from raydix.router.reporter import LoadReport, ReplicaReporter
 
 logger = logging.getLogger(__name__)
 
-
+EXIT_GRACE_S = 1.0  # after its engine failed, the replica lives this long to send the errors
 
 @dataclass(frozen=True)
 class ReplicaSettings:
@@ -99,6 +110,17 @@ class ReplicaStats(NamedTuple):
     num_protected_tokens: int  # prefix-cache tokens locked by running requests
     kv_capacity: int
     integrity_error: str | None  # from the cache manager's check, None when consistent
+    node_id: str = ""  # the Ray node of the replica's engine
+    rank_node_ids: tuple[str, ...] = ()  # the Ray node of each rank, in rank order
+
+
+class RankInfo(NamedTuple):
+    """One rank of a replica, for health tools and tests."""
+
+    replica_id: str
+    tp_rank: int
+    node_id: str
+    worker: ActorHandle | None  # None: the rank runs inside the replica (tp 1 without Ray)
 
 
 def _replica_id() -> str:
@@ -139,10 +161,22 @@ class EngineServer:
                     engine_config.worker.tp_size, engine_config.worker.model_path)
         events = EventBuffer() if routing is not None else None
         engine = engine_factory(engine_config, settings, events)
-        self.engine = AsyncEngine(engine, max_waiting_requests=settings.max_waiting_requests)
-        self.num_received = 0  # generate() calls, for the router's count of unseen requests
-        logger.info("replica %s: engine ready", self.replica_id)
         loop = asyncio.get_running_loop()  # the constructor runs on the replica's event loop
+        self._leaving: asyncio.Task[None] | None = None
+
+        def engine_failed(error: BaseException) -> None:  # on the engine's loop thread
+            loop.call_soon_threadsafe(self._leave, f"its engine stopped: {error!r}")
+
+        self.engine = AsyncEngine(engine, max_waiting_requests=settings.max_waiting_requests,
+                                  on_error=engine_failed)
+        self.num_received = 0  # generate() calls, for the router's count of unseen requests
+        self.node_id = str(ray.get_runtime_context().get_node_id())
+        executor = engine.executor
+        self.ranks_info = tuple(
+            RankInfo(self.replica_id, r, executor.node_ids[r], executor.workers[r])
+            if isinstance(executor, RayTPGroup) else RankInfo(self.replica_id, r, self.node_id, None)
+            for r in range(engine_config.worker.tp_size))
+        logger.info("replica %s: engine ready", self.replica_id)
         self._reporter: asyncio.Task[None] | None = None
         if stats_board is not None:
             self._reporter = loop.create_task(self._report(stats_board, report_period_s))
@@ -179,7 +213,12 @@ class EngineServer:
     async def stats(self) -> ReplicaStats:
         metrics, num_rows, protected, capacity, error = await self.engine.call(_engine_stats)
         return ReplicaStats(self.replica_id, metrics, self.engine.num_in_flight, num_rows,
-                            protected, capacity, error)
+                            protected, capacity, error, self.node_id,
+                            tuple(r.node_id for r in self.ranks_info))
+
+    async def ranks(self) -> tuple[RankInfo, ...]:
+        """This replica's ranks: where each runs, and its worker actor."""
+        return self.ranks_info
 
     async def ping(self) -> bool:
         """For /health: True while the engine loop runs."""
@@ -188,9 +227,31 @@ class EngineServer:
         return True
 
     async def check_health(self) -> None:
-        """Serve's health check: a dead engine loop marks the replica unhealthy."""
+        """Serve's health check: the engine loop must run and every rank must answer. A dead
+        rank also makes the replica leave (see the module's docstring)."""
         if not self.engine.is_alive:
-            raise RuntimeError("the engine loop is not running")
+            raise RuntimeError(f"replica {self.replica_id}: the engine loop is not running")
+        executor = self.engine.engine.executor
+        if isinstance(executor, RayTPGroup):
+            try:
+                await executor.check_health_async()
+            except RuntimeError as e:
+                self._leave(str(e))
+                raise RuntimeError(f"replica {self.replica_id}: {e}") from e
+
+    def _leave(self, reason: str) -> None:
+        """End this replica soon (once): its engine can't serve any more."""
+        if self._leaving is None:
+            logger.error("replica %s is leaving: %s", self.replica_id, reason)
+            self._leaving = asyncio.get_running_loop().create_task(self._exit_after_grace())
+
+    async def _exit_after_grace(self) -> None:
+        await asyncio.sleep(EXIT_GRACE_S)
+        try:
+            actor = ray.get_runtime_context().current_actor
+        except RuntimeError:  # not inside an actor (direct use in tests)
+            return
+        ray.kill(actor, no_restart=True)
 
     def __del__(self) -> None:
         for name in ("_reporter", "_router_reporter"):
