@@ -104,7 +104,9 @@ def serve_forever(config: AppConfig) -> None:
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a local, single-user instance
         num_cpus = max(os.cpu_count() or 1, local_cpus_needed(config))
         logger.info("starting a local Ray (%d CPUs)", num_cpus)
-        ray.init(num_cpus=num_cpus, include_dashboard=False)
+        # "local": a new instance even when another Ray runs on this machine (`ray start`),
+        # which `ray.init()` would join instead; `--address auto` joins that one
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False)
     else:
         logger.info("joining the Ray cluster at %s", config.address)
         ray.init(address=config.address)

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.ray
 
 @pytest.fixture(scope="module")
 def ray_local() -> Iterator[None]:
-    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 

@@ -130,7 +130,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         raise RuntimeError("another Ray instance is running in this process")
     model = tiny_model(tmp_path_factory.mktemp("tiny-words"))
     # one logical CPU per replica (3, then 4): Ray's CPUs are only a count on this machine
-    ray.init(num_cpus=5, num_gpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=5, num_gpus=4, include_dashboard=False, log_to_driver=False)
     cloudpickle.register_pickle_by_value(sys.modules[__name__])  # replicas can't import tests
     try:
         port = _free_port()
