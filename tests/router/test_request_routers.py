@@ -8,7 +8,11 @@ import pytest
 import ray
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID
 
-from raydix.router.serve_router import CacheAwareRequestRouter, RoundRobinRequestRouter
+from raydix.router.serve_router import (
+    HOLDER_TRIES,
+    CacheAwareRequestRouter,
+    RoundRobinRequestRouter,
+)
 
 DEPLOYMENT = DeploymentID(name="EngineServer", app_name="unit")
 
@@ -68,3 +72,38 @@ def test_cache_aware_without_a_router_actor_routes_by_load(
     assert num_fallbacks == 2
     assert lookups == ["raydix-router-unit"]  # the second request did not look again
     assert len(chosen) == 1 and len(chosen[0]) == 2 and set(chosen[0]) <= {"r0", "r1", "r2"}
+
+
+def test_cache_aware_offers_the_chosen_replica_first_then_the_others(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The router actor's choice is tried `HOLDER_TRIES` times (Serve moves on when a replica
+    misses its queue-length deadline or is full), then every other replica."""
+
+    class Decision:
+        replica = "r1"
+
+    async def decided() -> Decision:
+        return Decision()
+
+    class FakeRoute:
+        def remote(self, *args: object) -> object:
+            return decided()
+
+    class FakeActor:
+        route = FakeRoute()
+
+    monkeypatch.setattr(ray, "get_actor", lambda name, namespace=None: FakeActor())
+
+    async def run() -> tuple[list[list[str]], int]:
+        router = CacheAwareRequestRouter(deployment_id=DEPLOYMENT,
+                                         handle_source=DeploymentHandleSource.UNKNOWN)
+        router.initialize_state(decision_timeout_s=1.0)
+        replicas = [FakeReplica(u) for u in ("r0", "r1", "r2")]
+        chosen = ranks(await router.choose_replicas(replicas, FakePending()))  # type: ignore[arg-type]
+        return chosen, router.num_fallbacks
+
+    chosen, num_fallbacks = asyncio.run(run())
+    assert num_fallbacks == 0
+    assert chosen == [["r1"]] * HOLDER_TRIES + [["r0", "r2"]]
+    assert HOLDER_TRIES >= 2
