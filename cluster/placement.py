@@ -37,7 +37,7 @@ def create_replica_placement(tp_size: int, use_gpu: bool, strategy: str,
     if strategy not in STRATEGIES:
         raise ValueError(f"placement strategy must be one of {STRATEGIES}, got {strategy!r}")
     if strategy == "STRICT_PACK" and largest_fit(tp_size, use_gpu, num_extra_cpus=0) is None:
-        raise RuntimeError(unplaceable_message(tp_size, use_gpu, strategy, 0.0))
+        raise RuntimeError(unplaceable_message(tp_size, use_gpu, strategy, None))
     pg = placement_group(rank_bundles(tp_size, use_gpu), strategy=strategy)
     if wait_placed(pg, timeout_s):
         return pg
@@ -66,8 +66,10 @@ def check_bundles(pg: PlacementGroup, bundle_offset: int, tp_size: int, use_gpu:
                              f"{i - bundle_offset} needs {{'{resource}': 1}}")
 
 
-def unplaceable_message(tp_size: int, use_gpu: bool, strategy: str, timeout_s: float) -> str:
-    """Why a replica's placement group was not placed: what is free against what it needs."""
+def unplaceable_message(tp_size: int, use_gpu: bool, strategy: str,
+                        timeout_s: float | None) -> str:
+    """Why a replica's placement group was not placed: what is free against what it needs.
+    `timeout_s` None: it was not tried, as no node is large enough."""
     resource = "GPU" if use_gpu else "CPU"
     num_free = ray.available_resources().get(resource, 0.0)
     node_sizes = [n["Resources"].get(resource, 0.0) for n in ray.nodes() if n.get("Alive")]
@@ -76,8 +78,8 @@ def unplaceable_message(tp_size: int, use_gpu: bool, strategy: str, timeout_s: f
              "STRICT_SPREAD": "needs them on different nodes"}.get(strategy, "")
     return (f"The placement group can't be placed: the cluster has {num_free:g} {resource}(s) "
             f"free, a replica needs tp={tp_size} ({strategy}{' ' + where if where else ''}; "
-            f"the largest node has {largest:g} {resource}(s)). Waited {timeout_s:g} s.")
-
+            f"the largest node has {largest:g} {resource}(s)). "
+            + ("No node is large enough." if timeout_s is None else f"Waited {timeout_s:g} s."))
 
 
 def largest_fit(tp_size: int, use_gpu: bool, num_extra_cpus: int) -> dict[str, float] | None:

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import NamedTuple, TypeVar
 
+import openai
 import pytest
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -93,6 +94,10 @@ class SimCluster:
     def __init__(self, cluster: Cluster, port: int) -> None:
         self.cluster = cluster
         self.base_url = f"http://127.0.0.1:{port}"
+
+    def client(self, app: str) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=f"{self.base_url}/{app}/v1", api_key="none",
+                                  max_retries=0, timeout=120)
 
     def add_gpu_node(self) -> ray._private.node.Node:  # type: ignore[name-defined]
         return self.cluster.add_node(num_cpus=1, num_gpus=GPUS_PER_NODE)
@@ -197,41 +202,74 @@ def replica_ranks(engine: DeploymentHandle, replica_ids: set[str],
 
 
 class Outcome(NamedTuple):
-    """How one request ended: its output tokens, or the API error it ended with."""
+    """How one request ended: the tokens it produced, and the error code it ended with (None
+    when it finished)."""
 
-    token_ids: list[int]
-    error: ApiError | None
+    num_tokens: int
+    error_code: str | None = None
+    detail: str = ""
+
+
+def prompt_ids(prompt: str) -> list[int]:
+    """One id per byte, as the tiny model's tokenizer has them (0 and 1 are BOS and EOS)."""
+    return [2 + b for b in prompt.encode()]
 
 
 async def generate(engine: DeploymentHandle, prompt: str, max_new_tokens: int,
                    started: asyncio.Event | None = None) -> Outcome:
     """One request through the ingress's own request path (`ChoiceStreams`: retries, error
-    mapping), driven from here so that no ingress replica sits on a node a test removes.
-    `started` is set once the request's first outputs arrived."""
+    mapping), driven from here, for tests that remove nodes: an ingress replica may sit on
+    any node. `started` is set once the request's first outputs arrived."""
     params = GenerationParams(max_new_tokens=max_new_tokens, ignore_eos=True)
-    prompt_ids = [2 + b for b in prompt.encode()]  # one id per byte, as the tokenizer has
-    choices = make_choices(f"t-{uuid.uuid4().hex[:12]}", [prompt_ids], params, 1)
+    choices = make_choices(f"t-{uuid.uuid4().hex[:12]}", [prompt_ids(prompt)], params, 1)
     streams = ChoiceStreams(engine, choices)
-    token_ids: list[int] = []
+    num_tokens = 0
     try:
         await streams.start()
         if started is not None:
             started.set()
         async for _, out in streams.events():
-            token_ids += out.new_token_ids
+            num_tokens += len(out.new_token_ids)
     except ApiError as e:
-        return Outcome(token_ids, e)
-    return Outcome(token_ids, None)
+        code = e.code if e.status == 503 else f"http {e.status}"
+        return Outcome(num_tokens, code, e.message)
+    return Outcome(num_tokens)
+
+
+async def http_generate(client: openai.AsyncOpenAI, prompt: str, max_new_tokens: int,
+                        stream: bool = False, started: asyncio.Event | None = None) -> Outcome:
+    """One completion over HTTP with the openai client (prompt as token ids)."""
+    kwargs = dict(model=MODEL_NAME, prompt=prompt_ids(prompt), max_tokens=max_new_tokens,
+                  temperature=0, extra_body={"ignore_eos": True})
+    num_tokens = 0
+    try:
+        if not stream:
+            answer = await client.completions.create(**kwargs)  # type: ignore[call-overload]
+            return Outcome(answer.usage.completion_tokens)
+        chunks = await client.completions.create(  # type: ignore[call-overload]
+            stream=True, stream_options={"include_usage": True}, **kwargs)
+        async for chunk in chunks:
+            if chunk.choices and started is not None:
+                started.set()
+            if chunk.usage is not None:
+                num_tokens = chunk.usage.completion_tokens
+            elif chunk.choices and chunk.choices[0].text:
+                num_tokens = max(num_tokens, 1)
+    except openai.APIStatusError as e:
+        code = e.code if e.status_code == 503 else f"http {e.status_code}"
+        return Outcome(num_tokens, code, e.message)
+    except openai.APIError as e:  # an error event inside a stream that had begun
+        return Outcome(num_tokens, e.code, e.message)
+    return Outcome(num_tokens)
 
 
 def check_outcome(outcome: Outcome, max_new_tokens: int) -> bool:
-    """True for a full output; False for a clean error (503, the replica was lost). Anything
-    else fails the test."""
-    if outcome.error is None:
-        assert len(outcome.token_ids) == max_new_tokens
+    """True for a full output; False for a clean error (503 `engine_unavailable`: the
+    replica was lost). Anything else fails the test."""
+    if outcome.error_code is None:
+        assert outcome.num_tokens == max_new_tokens
         return True
-    assert outcome.error.status == 503, outcome.error.message
-    assert outcome.error.code == "engine_unavailable", outcome.error.message
+    assert outcome.error_code == "engine_unavailable", outcome
     return False
 
 

@@ -75,7 +75,8 @@ def test_replica_larger_than_any_node_is_refused_at_once(
         build_app(app_config(tiny_model, tp=4, replicas=1))
     # a TP group started outside Serve is refused as fast, and leaves no placement group
     with pytest.raises(RuntimeError, match=r"a replica needs tp=4 \(STRICT_PACK needs them on "
-                                           r"one node; the largest node has 2 GPU\(s\)\)"):
+                                           r"one node; the largest node has 2 GPU\(s\)\)\. No node is "
+                                           r"large enough\."):
         create_replica_placement(4, use_gpu=True, strategy="STRICT_PACK", timeout_s=60)
     assert time.monotonic() - start < 10
     assert all(pg["state"] != "PENDING" for pg in ray.util.placement_group_table().values())
