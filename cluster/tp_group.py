@@ -137,8 +137,8 @@ class RayTPGroup:
         try:
             return ray.get(self._actors[0].step.remote(plan))
         except RayActorError as e:
-            self._broken = f"rank 0 died during step {plan.step_id}"
-            raise RuntimeError(f"{self._broken}: {e}") from e
+            self._broken = f"rank 0 died during step {plan.step_id} ({type(e).__name__})"
+            raise RuntimeError(self._broken) from e  # Ray's long text stays in the cause
         except RayError as e:
             try:
                 self.check_health()

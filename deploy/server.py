@@ -52,6 +52,7 @@ logger = logging.getLogger(__name__)
 
 EXIT_GRACE_S = 1.0  # after its engine failed, the replica lives this long to send the errors
 
+
 @dataclass(frozen=True)
 class ReplicaSettings:
     """How an engine replica runs, beyond the engine's own config."""
