@@ -119,6 +119,8 @@ class WorkerConfig:
     cpu_memory_budget_bytes: int = 2 << 30  # stands in for free device memory on CPU
     cuda_graph: bool = False  # capture decode under CUDA graphs (CUDA only)
     cuda_graph_max_batch: int = 32
+    cpu_packed_linear: bool = True  # CPU: linear layers through oneDNN-packed weights
+    cpu_keep_freed_memory: bool = True  # CPU: glibc keeps freed activations (host_memory.py)
 
     def __post_init__(self) -> None:
         if not 0 <= self.tp_rank < self.tp_size:

@@ -10,7 +10,9 @@ import torch
 
 from .attention import AttentionBackend, ForwardBatch, make_backend
 from .config import ModelConfig, WorkerConfig
+from .host_memory import keep_freed_memory
 from .kv_pool import KVPool, KVPoolConfig
+from .layers.packed import pack_linear_layers, packing_supported
 from .loader import load_model
 from .parallel import SINGLE_RANK, TPGroup, all_gather_ints, all_reduce_min, head_shard
 from .pool_sizing import kv_cell_size, profile_max_num_tokens
@@ -37,11 +39,17 @@ class ModelRunner:
         self.config = config
         self.group = group
         self.device = torch.device(config.device)
+        if self.device.type == "cpu" and config.cpu_keep_freed_memory:
+            keep_freed_memory()  # no page faults on each layer's activations (host_memory.py)
         self.model_config = ModelConfig.from_folder(config.model_path)
         mc = self.model_config
         dtype = config.torch_dtype
         self.model = load_model(config.model_path, mc, group, dtype, self.device)
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        if config.cpu_packed_linear and packing_supported(self.device, dtype):
+            # a second, blocked copy of each linear weight: it counts against the budget too
+            self.weight_bytes += self.weight_bytes - self.model.model.embed_tokens.weight.nbytes
+            pack_linear_layers(self.model, config.max_running_requests)
 
         heads = head_shard(mc.num_heads, mc.num_kv_heads, config.tp_rank, config.tp_size)
         # every rank holds the same number of tokens; the rank with the most KV heads sets the cell

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from ..kv_pool import KVPool
 from .base import AttentionBackend, ForwardBatch
-from .cascade import CascadeGroup, cascade_attention, find_groups
+from .cascade import CascadeBatch, cascade_attention, find_groups
 
 
 @dataclass
@@ -45,7 +45,8 @@ class TorchAttentionBackend(AttentionBackend):
         self._out_cache_loc: torch.Tensor | None = None
         self._decode: _DecodeGroup | None = None
         self._extends: list[_ExtendEntry] = []
-        self._cascades: list[CascadeGroup] = []
+        self._cascade: CascadeBatch | None = None
+        self._cascade_token_idx: torch.Tensor | None = None
 
     def prepare(self, batch: ForwardBatch) -> None:
         self._out_cache_loc = batch.out_cache_loc
@@ -53,7 +54,7 @@ class TorchAttentionBackend(AttentionBackend):
         seq_lens = batch.seq_lens
         single = np.flatnonzero(batch.extend_lens == 1)
         self._decode = None
-        self._cascades = []
+        self._cascade = None
         if len(single) > 1 and self.device.type == "cpu":
             single = self._prepare_cascades(batch, single)
         if len(single):
@@ -80,20 +81,14 @@ class TorchAttentionBackend(AttentionBackend):
         """Put decode requests that share a long prefix into cascade groups; return the rest."""
         seq_lens = batch.seq_lens[single]
         rows = torch.from_numpy(batch.row_idx[single])
-        slots = self.req_to_token[rows, : int(seq_lens.max())].long()
-        groups = find_groups(slots.numpy(), seq_lens)
-        grouped = np.zeros(len(single), dtype=bool)
-        for members, shared in groups:
-            grouped[members] = True
-            suffix_len = int(seq_lens[members].max()) - shared
-            suffix = slots[torch.from_numpy(members), shared : shared + suffix_len]
-            pad = np.arange(suffix_len)[None, :] + shared >= seq_lens[members][:, None]
-            self._cascades.append(CascadeGroup(
-                members, torch.from_numpy(batch.token_starts[single[members]]),
-                self._pool_rows(slots[members[0], None, :shared]).reshape(-1), shared,
-                self._pool_rows(suffix[:, None, :]).reshape(-1), suffix_len,
-                torch.from_numpy(pad)[:, None, None, :]))
-        return single[~grouped]
+        slots = self.req_to_token[rows, : int(seq_lens.max())].numpy()
+        groups = find_groups(slots, seq_lens)
+        if not groups:
+            return single
+        self._cascade = CascadeBatch.build(slots, seq_lens, groups, self.num_kv_heads)
+        grouped = single[self._cascade.members]
+        self._cascade_token_idx = torch.from_numpy(batch.token_starts[grouped])
+        return np.setdiff1d(single, grouped)
 
     def _pool_rows(self, slots: torch.Tensor) -> torch.Tensor:
         """Rows of a layer's pool viewed as [num_slots * Hk, D] for slots [..., 1, L]:
@@ -112,9 +107,9 @@ class TorchAttentionBackend(AttentionBackend):
         if self._decode is not None:
             d = self._decode
             out[d.token_idx] = self._decode_attention(q[d.token_idx], k_buf, v_buf, d)
-        for c in self._cascades:
-            out[c.token_idx] = cascade_attention(q[c.token_idx], k_buf, v_buf, c,
-                                                 self.num_kv_heads)
+        if self._cascade is not None and self._cascade_token_idx is not None:
+            idx = self._cascade_token_idx
+            out[idx] = cascade_attention(q[idx], k_buf, v_buf, self._cascade, self.num_kv_heads)
         for e in self._extends:
             qe = q[e.token_start: e.token_start + e.extend_len].transpose(0, 1)  # [Hq, n, D]
             shape = (self.num_kv_heads, -1, self.head_dim)

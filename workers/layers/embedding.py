@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..parallel import SINGLE_RANK, TPGroup
+from .packed import linear
 from .source import CheckpointTensor, copy_checked
 
 
@@ -56,8 +57,12 @@ class ParallelLMHead(VocabParallelEmbedding):
     With tied embeddings the model loads `embed_tokens.weight` into this layer too.
     """
 
+    def __init__(self, vocab_size: int, hidden_size: int, group: TPGroup = SINGLE_RANK) -> None:
+        super().__init__(vocab_size, hidden_size, group)
+        self.packed_weight: torch.Tensor | None = None  # see layers/packed.py
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)
+        logits = linear(hidden, self.weight, self.packed_weight)
         logits = self.group.all_gather_last_dim(logits)
         return logits[..., : self.vocab_size]
 

@@ -8,10 +8,10 @@ output over the ranks (the only all-reduce in a transformer block besides the em
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..parallel import SINGLE_RANK, TPGroup, head_shard, shard_range
+from .packed import linear
 from .source import CheckpointTensor, copy_checked
 
 
@@ -26,6 +26,7 @@ class ColumnParallelLinear(nn.Module):
             out_shard = (start, end - start)
         self.out_start, self.out_size = out_shard
         self.weight = nn.Parameter(torch.empty(self.out_size, in_features), requires_grad=False)
+        self.packed_weight: torch.Tensor | None = None  # see layers/packed.py
         self.bias: nn.Parameter | None = None
         if bias:
             self.bias = nn.Parameter(torch.empty(self.out_size), requires_grad=False)
@@ -35,7 +36,7 @@ class ColumnParallelLinear(nn.Module):
         copy_checked(param, loaded.narrow(0, self.out_start, self.out_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.packed_weight, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -107,6 +108,7 @@ class RowParallelLinear(nn.Module):
         self.in_start, self.in_size = in_shard
         self.group = group
         self.weight = nn.Parameter(torch.empty(out_features, self.in_size), requires_grad=False)
+        self.packed_weight: torch.Tensor | None = None  # see layers/packed.py
         self.bias: nn.Parameter | None = None
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
@@ -119,7 +121,7 @@ class RowParallelLinear(nn.Module):
             copy_checked(param, loaded.narrow(1, self.in_start, self.in_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = linear(x, self.weight, self.packed_weight)
         y = self.group.all_reduce(y)
         if self.bias is not None:
             y = y + self.bias
