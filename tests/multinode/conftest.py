@@ -28,6 +28,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import ray
 from ray import serve
+from ray._private.node import Node
 from ray.actor import ActorHandle
 from ray.cluster_utils import Cluster
 from ray.serve.handle import DeploymentHandle
@@ -99,10 +100,10 @@ class SimCluster:
         return openai.AsyncOpenAI(base_url=f"{self.base_url}/{app}/v1", api_key="none",
                                   max_retries=0, timeout=120)
 
-    def add_gpu_node(self) -> ray._private.node.Node:  # type: ignore[name-defined]
+    def add_gpu_node(self) -> Node:
         return self.cluster.add_node(num_cpus=1, num_gpus=GPUS_PER_NODE)
 
-    def gpu_nodes(self) -> dict[str, object]:
+    def gpu_nodes(self) -> dict[str, Node]:
         """Live worker nodes by node id."""
         return {n.node_id: n for n in self.cluster.worker_nodes}
 

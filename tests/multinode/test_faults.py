@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import ray
-from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from raydix.deploy.server import ReplicaStats
@@ -46,9 +45,8 @@ SOAK_RESTART_AFTER = 200  # finished requests before one replica loses a rank
 
 
 @pytest.fixture(scope="module")
-def engine(sim_cluster: SimCluster, tiny_model: Path) -> Iterator[DeploymentHandle]:
-    yield deploy(APP, app_config(tiny_model))
-    serve.delete(APP)
+def engine(sim_cluster: SimCluster, tiny_model: Path) -> DeploymentHandle:
+    return deploy(APP, app_config(tiny_model))  # the cluster goes with the module
 
 
 def _replaced(old_ids: set[str], num: int = 2) -> set[str] | None:

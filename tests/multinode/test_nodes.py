@@ -10,12 +10,10 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import ray
-from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from raydix.cluster.placement import create_replica_placement
@@ -47,9 +45,8 @@ STREAM_TOKENS = 400  # long enough to be mid-stream when the node goes
 
 
 @pytest.fixture(scope="module")
-def engine(sim_cluster: SimCluster, tiny_model: Path) -> Iterator[DeploymentHandle]:
-    yield deploy(APP, app_config(tiny_model))
-    serve.delete(APP)
+def engine(sim_cluster: SimCluster, tiny_model: Path) -> DeploymentHandle:
+    return deploy(APP, app_config(tiny_model))  # the cluster goes with the module
 
 
 def test_tp2_replicas_keep_their_ranks_on_one_node_and_spread_over_nodes(
