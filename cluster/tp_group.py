@@ -27,7 +27,7 @@ from collections.abc import Sequence
 
 import ray
 from ray.actor import ActorHandle
-from ray.exceptions import GetTimeoutError, RayActorError, RayError
+from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError, RayError
 from ray.util.placement_group import PlacementGroup, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -40,6 +40,15 @@ from .worker_actor import MAX_CONCURRENCY, WorkerActor
 HEALTH_TIMEOUT_S = 10.0
 STOP_TIMEOUT_S = 10.0
 _REMOTE_WORKER = ray.remote(WorkerActor)
+
+
+class UnhealthyRanksError(RuntimeError):
+    """Some ranks failed their health check. `permanent`: one of them died or its follow loop
+    ended, so the group can't step again (rather than a rank that is slow or unreachable)."""
+
+    def __init__(self, message: str, permanent: bool) -> None:
+        super().__init__(message)
+        self.permanent = permanent
 
 
 class RayTPGroup:
@@ -167,22 +176,29 @@ class RayTPGroup:
 
     def _raise_if_unhealthy(self, answers: list[concurrent.futures.Future[str | None]]) -> None:
         problems = []
+        permanent = False
         for rank, answer in enumerate(answers):
+            error = answer.exception() if answer.done() else None
             if not answer.done():
                 answer.cancel()
                 reason: str | None = f"no answer within {HEALTH_TIMEOUT_S:g} s"
-            elif isinstance(answer.exception(), RayActorError):
-                reason = f"its actor died ({type(answer.exception()).__name__})"
-            elif answer.exception() is not None:
-                reason = f"health check failed: {answer.exception()}"
+            elif isinstance(error, ActorUnavailableError):
+                reason = f"its actor is unreachable ({type(error).__name__})"
+            elif isinstance(error, RayActorError):
+                reason = f"its actor died ({type(error).__name__})"
+                permanent = True
+            elif error is not None:
+                reason = f"health check failed: {error}"
             else:
-                reason = answer.result()
+                reason = answer.result()  # the rank's own report: its follow loop failed
+                permanent = permanent or reason is not None
             if reason is not None:
                 problems.append((rank, reason))
         if problems:
             dead = [r for r, _ in problems]
             details = "; ".join(f"rank {r}: {why}" for r, why in problems)
-            raise RuntimeError(f"unhealthy rank(s) {dead} of {self.tp_size}: {details}")
+            raise UnhealthyRanksError(
+                f"unhealthy rank(s) {dead} of {self.tp_size}: {details}", permanent)
 
     def shutdown(self) -> None:
         """Release the followers, kill the actors, and remove a placement group made here.

@@ -43,7 +43,7 @@ from raydix.cluster.engine import Engine
 from raydix.cluster.executor import Executor, LocalExecutor
 from raydix.cluster.metrics import EngineMetrics
 from raydix.cluster.request import GenerationParams, RequestOutput
-from raydix.cluster.tp_group import RayTPGroup
+from raydix.cluster.tp_group import RayTPGroup, UnhealthyRanksError
 from raydix.router.actor import get_or_create_router
 from raydix.router.policy import RoutingPolicyConfig
 from raydix.router.reporter import LoadReport, ReplicaReporter
@@ -228,16 +228,18 @@ class EngineServer:
         return True
 
     async def check_health(self) -> None:
-        """Serve's health check: the engine loop must run and every rank must answer. A dead
-        rank also makes the replica leave (see the module's docstring)."""
+        """Serve's health check: the engine loop must run and every rank must answer. A rank
+        that died also makes the replica leave (see the module's docstring); one that is only
+        slow or unreachable is left to Serve's count of failed checks."""
         if not self.engine.is_alive:
             raise RuntimeError(f"replica {self.replica_id}: the engine loop is not running")
         executor = self.engine.engine.executor
         if isinstance(executor, RayTPGroup):
             try:
                 await executor.check_health_async()
-            except RuntimeError as e:
-                self._leave(str(e))
+            except UnhealthyRanksError as e:
+                if e.permanent:
+                    self._leave(str(e))
                 raise RuntimeError(f"replica {self.replica_id}: {e}") from e
 
     def _leave(self, reason: str) -> None:
