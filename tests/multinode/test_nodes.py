@@ -89,13 +89,15 @@ def test_node_loss_fails_only_its_replicas_requests_and_the_replica_comes_back(
     survivor_id = next(r for r in stats if r != victim_id)
 
     async def run() -> None:
+        # through the ingress's request code, from here: Serve may have put the ingress
+        # replica itself on the node that goes
         started = [asyncio.Event() for _ in range(NUM_STREAMS)]
         streams = [asyncio.create_task(generate(engine, f"stream {i}: tell me a long story",
                                                 STREAM_TOKENS, started[i]))
                    for i in range(NUM_STREAMS)]
         await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
-        # every request is streaming; the board knows on which replica
-        def counted() -> dict[str, ReplicaStats] | None:
+
+        def counted() -> dict[str, ReplicaStats] | None:  # every stream, on its replica
             stats = all_replica_stats(APP, 2)
             return stats if sum(s.num_in_flight for s in stats.values()) == NUM_STREAMS else None
 
