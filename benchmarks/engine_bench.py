@@ -48,6 +48,9 @@ class Result:
     ttft_mean: float
     ttft_p99: float
     seconds: float
+    cpu_seconds: float  # this process's CPU time: steadier than wall time on a shared machine
+    num_steps: int = 0  # engine only: forward steps
+    num_computed_prompt_tokens: int = 0  # engine only: prompt tokens not served by the cache
 
 
 def shared_prefix(vocab: int, groups: int, per_group: int, prefix_len: int, question_len: int,
@@ -82,7 +85,7 @@ def make_engine(folder: Path, cache: bool, max_running: int = 64) -> Engine:
 
 
 def run_engine(engine: Engine, work: Workload) -> Result:
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     first: dict[str, float] = {}
     rids = [engine.add_request(p, GenerationParams(max_new_tokens=n, ignore_eos=True))
             for p, n in zip(work.prompts, work.max_new_tokens, strict=True)]
@@ -94,7 +97,10 @@ def run_engine(engine: Engine, work: Workload) -> Result:
                 first[out.rid] = time.perf_counter() - start
     seconds = time.perf_counter() - start
     ttft = np.array([first[r] for r in rids])
-    return Result(num_tokens / seconds, float(ttft.mean()), float(np.percentile(ttft, 99)), seconds)
+    stats = engine.scheduler.stats
+    return Result(num_tokens / seconds, float(ttft.mean()), float(np.percentile(ttft, 99)), seconds,
+                  time.process_time() - cpu_start, stats.num_steps,
+                  stats.num_prompt_tokens - stats.num_cached_tokens)
 
 
 class _FirstStep(LogitsProcessor):
@@ -112,7 +118,7 @@ class _FirstStep(LogitsProcessor):
 @torch.inference_mode()
 def run_transformers(model: torch.nn.Module, work: Workload, batch_size: int) -> Result:
     """Static batches in arrival order, left-padded; a batch runs to its longest output."""
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     ttft: list[float] = []
     num_tokens = 0
     for lo in range(0, len(work.prompts), batch_size):
@@ -133,7 +139,8 @@ def run_transformers(model: torch.nn.Module, work: Workload, batch_size: int) ->
         num_tokens += sum(wanted)  # only the tokens each request asked for count
     seconds = time.perf_counter() - start
     arr = np.array(ttft)
-    return Result(num_tokens / seconds, float(arr.mean()), float(np.percentile(arr, 99)), seconds)
+    return Result(num_tokens / seconds, float(arr.mean()), float(np.percentile(arr, 99)), seconds,
+                  time.process_time() - cpu_start)
 
 
 def control_overhead(folder: Path, batch: int, vocab: int, steps: int = 24) -> tuple[float, float]:
@@ -220,14 +227,18 @@ def main() -> None:
                 "raydix, cache off": run_engine(make_engine(folder, False), work),
                 f"transformers, batch {args.hf_batch}": run_transformers(model, work, args.hf_batch)}
         for label, r in runs.items():
+            steps = (f", {r.num_steps} steps, {r.num_computed_prompt_tokens} prompt tokens "
+                     "computed" if r.num_steps else "")
             print(f"  {label:26} {r.throughput:8.1f} tok/s   TTFT mean {r.ttft_mean:6.2f} s"
-                  f"   p99 {r.ttft_p99:6.2f} s   ({r.seconds:.1f} s)")
+                  f"   p99 {r.ttft_p99:6.2f} s   ({r.seconds:.1f} s, CPU {r.cpu_seconds:.1f} s"
+                  f"{steps})")
         on, off, hf = runs.values()
-        vs_hf = on.throughput / hf.throughput
         target_hf = 3.0 if work.name == "shared prefix" else 1.5
-        print(f"  engine / transformers: {vs_hf:.2f}x (target >= {target_hf}x)")
-        if work.name == "shared prefix":
-            print(f"  cache on / cache off: {on.throughput / off.throughput:.2f}x (target >= 3x)")
+        print(f"  engine / transformers: {on.throughput / hf.throughput:.2f}x (target >= "
+              f"{target_hf}x; {hf.cpu_seconds / on.cpu_seconds:.2f}x in CPU time)")
+        print(f"  cache on / cache off: {on.throughput / off.throughput:.2f}x"
+              f"{' (target >= 3x)' if work.name == 'shared prefix' else ''}; "
+              f"{off.cpu_seconds / on.cpu_seconds:.2f}x in CPU time")
         report[work.name] = {k: r.__dict__ for k, r in runs.items()}
     step_s, overhead = control_overhead(folder, 16, vocab)
     print(f"\ndecode step at batch 16: {step_s * 1e3:.1f} ms, control overhead "

@@ -3,7 +3,7 @@
 `F.linear` on CPU calls MKL's sgemm on the plain `[out, in]` weight at every call. oneDNN's
 matmul on a weight reordered once (the op torch's own CPU compiler uses after freezing) computes
 the same product in fp32 with a blocked, cache-friendly weight: on SmolLM2-135M's shapes it is
-15-20% faster for the layers and up to 60% for the LM head (`benchmarks/worker_bench.py`).
+15-20% faster for the layers and up to 60% for the LM head (measured one thread, AVX-512).
 
 The plain weight stays the parameter (loading, TP sharding and tests see it); the packed copy
 is derived from it by `pack_linear_layers` after loading, and is never written.
