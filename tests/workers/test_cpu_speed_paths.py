@@ -1,4 +1,5 @@
-"""The CPU speed paths: oneDNN-packed linear weights and glibc keeping freed activations."""
+"""The CPU speed paths: oneDNN-packed linear weights, glibc keeping freed activations, decode
+batches split by length."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from raydix.workers.attention.torch_backend import split_by_length
 from raydix.workers.config import WorkerConfig
 from raydix.workers.host_memory import keep_freed_memory
 from raydix.workers.layers.packed import linear, pack_weight, packing_supported
@@ -79,3 +81,34 @@ def test_freed_activations_are_reused_without_page_faults() -> None:
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
     # with a fresh mmap per tensor these 60 tensors fault over 15,000 times
     assert faults < 1000
+
+
+def test_decode_batch_splits_by_length_only_when_it_pays() -> None:
+    lens = np.array([10, 500, 12, 11, 520, 13])
+    short, long = split_by_length(np.arange(6) + 100, lens)
+    assert short.tolist() == [100, 102, 103, 105] and long.tolist() == [101, 104]
+    assert [p.tolist() for p in split_by_length(np.arange(4), np.array([500, 510, 505, 520]))
+            ] == [[0, 1, 2, 3]]
+    assert [p.tolist() for p in split_by_length(np.arange(2), np.array([5, 500]))] == [[0, 1]]
+    assert split_by_length(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)) == []
+
+
+def test_split_decode_batch_equals_each_request_alone(tiny_models: dict[str, TinyModel]) -> None:
+    m = tiny_models["llama"]
+    runner = ModelRunner(WorkerConfig(str(m.folder), max_running_requests=8, max_context_len=128,
+                                      max_total_tokens=1024))
+    rng = np.random.default_rng(0)
+    prompt_lens = [5, 6, 70, 7, 60, 8]
+    assert len(split_by_length(np.arange(6), np.array(prompt_lens) + 1)) == 2
+    prompts = [rng.integers(1, 250, size=n).tolist() for n in prompt_lens]
+    slot = runner.kv_pool.config.page_size
+    extends = []
+    for row, prompt in enumerate(prompts):
+        extends.append(ScheduledRequest(row, 0, prompt, list(range(slot, slot + len(prompt)))))
+        slot += len(prompt)
+    runner.forward(StepPlan.build(1, extends))
+    decodes = [ScheduledRequest(row, len(p), [3], [slot + row]) for row, p in enumerate(prompts)]
+    together = runner.forward(StepPlan.build(2, decodes))
+    for row, req in enumerate(decodes):
+        alone = runner.forward(StepPlan.build(3 + row, [req]))
+        torch.testing.assert_close(together[row: row + 1], alone, rtol=1e-5, atol=1e-5)

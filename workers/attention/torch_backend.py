@@ -1,7 +1,10 @@
 """Attention with `scaled_dot_product_attention`: runs on CPU, and on CUDA as a fallback.
 
-Single-token requests (decode) are attended in one padded batch; multi-token requests (extend)
-one request at a time, with a causal mask shifted by the request's prefix length.
+Single-token requests (decode) are attended in padded batches: on CPU those that share a long
+prefix through cascade groups (cascade.py), the rest in at most two batches split by length
+(`split_by_length`), so that a few long requests do not pad every short one to their length.
+Multi-token requests (extend) run one request at a time, with a causal mask shifted by the
+request's prefix length.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ class TorchAttentionBackend(AttentionBackend):
         self.num_kv_heads = pool.config.num_kv_heads
         self.device = req_to_token.device
         self._out_cache_loc: torch.Tensor | None = None
-        self._decode: _DecodeGroup | None = None
+        self._decodes: list[_DecodeGroup] = []
         self._extends: list[_ExtendEntry] = []
         self._cascade: CascadeBatch | None = None
         self._cascade_token_idx: torch.Tensor | None = None
@@ -53,19 +56,20 @@ class TorchAttentionBackend(AttentionBackend):
         starts = batch.token_starts
         seq_lens = batch.seq_lens
         single = np.flatnonzero(batch.extend_lens == 1)
-        self._decode = None
+        self._decodes = []
         self._cascade = None
         if len(single) > 1 and self.device.type == "cpu":
             single = self._prepare_cascades(batch, single)
-        if len(single):
-            max_len = int(seq_lens[single].max())
-            rows = torch.from_numpy(batch.row_idx[single]).to(self.device)
-            lens = torch.from_numpy(seq_lens[single]).to(self.device)
+        for part in split_by_length(single, seq_lens[single]):
+            max_len = int(seq_lens[part].max())
+            rows = torch.from_numpy(batch.row_idx[part]).to(self.device)
+            lens = torch.from_numpy(seq_lens[part]).to(self.device)
             slots = self.req_to_token[rows, :max_len].long()  # [Bd, L]
             padding = torch.arange(max_len, device=self.device)[None, :] >= lens[:, None]
-            self._decode = _DecodeGroup(torch.from_numpy(starts[single]).to(self.device),
-                                        self._pool_rows(slots[:, None, :]).reshape(-1), max_len,
-                                        padding[:, None, None, :])
+            self._decodes.append(_DecodeGroup(
+                torch.from_numpy(starts[part]).to(self.device),
+                self._pool_rows(slots[:, None, :]).reshape(-1), max_len,
+                padding[:, None, None, :]))
         self._extends = []
         for i in np.flatnonzero(batch.extend_lens > 1):
             prefix, ext = int(batch.prefix_lens[i]), int(batch.extend_lens[i])
@@ -104,8 +108,7 @@ class TorchAttentionBackend(AttentionBackend):
         self.pool.set_kv(layer_id, self._out_cache_loc, k, v)
         k_buf, v_buf = self.pool.k_buffers[layer_id], self.pool.v_buffers[layer_id]
         out = torch.empty_like(q)
-        if self._decode is not None:
-            d = self._decode
+        for d in self._decodes:
             out[d.token_idx] = self._decode_attention(q[d.token_idx], k_buf, v_buf, d)
         if self._cascade is not None and self._cascade_token_idx is not None:
             idx = self._cascade_token_idx
@@ -137,6 +140,27 @@ class TorchAttentionBackend(AttentionBackend):
         scores = scores.float().masked_fill_(d.padding, float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(q.dtype)
         return torch.matmul(probs, v).view(num_req, num_q_heads, head_dim)
+
+
+MIN_SPLIT_SAVING = 0.15  # split a decode batch in two when that gathers 15% fewer keys
+
+
+def split_by_length(idx: np.ndarray, lens: np.ndarray) -> list[np.ndarray]:
+    """``idx`` as one batch, or as two (shorter requests, longer requests) when padding each
+    to its own longest length instead of all to the longest saves MIN_SPLIT_SAVING of the
+    keys gathered."""
+    if len(idx) < 4:
+        return [idx] if len(idx) else []
+    order = np.argsort(lens, kind="stable")
+    s = lens[order]
+    num = len(s)
+    first = np.arange(1, num)  # requests in the shorter batch
+    padded = first * s[first - 1] + (num - first) * s[-1]
+    best = int(padded.argmin())
+    if padded[best] > (1 - MIN_SPLIT_SAVING) * num * s[-1]:
+        return [idx]
+    cut = int(first[best])
+    return [idx[np.sort(order[:cut])], idx[np.sort(order[cut:])]]
 
 
 def _gather(buf: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
