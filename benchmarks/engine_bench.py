@@ -190,7 +190,7 @@ def plot(scaling: dict[int, tuple[float, float]], path: str) -> None:
     ax.set_xscale("log", base=2)
     ax.set_xlabel("batch size (running requests)")
     ax.set_ylabel("output tokens / s")
-    ax.set_title("Decode throughput, SmolLM2-135M, CPU (2 cores)")
+    ax.set_title(f"Decode throughput, SmolLM2-135M, CPU ({torch.get_num_threads()} torch threads)")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
