@@ -12,7 +12,8 @@ prefix; engine/transformers >= 3x shared, >= 1.5x mixed). Then the control overh
 step at batch 16 (step time minus forward time), and decode throughput against batch size,
 plotted to a PNG when matplotlib is installed.
 
-    python benchmarks/engine_bench.py [--quick] [--threads N] [--plot PNG] [--json out.json]
+    python benchmarks/engine_bench.py [--quick] [--threads N] [--workloads shared mixed]
+                                      [--no-scaling] [--plot PNG] [--json out.json]
 """
 
 from __future__ import annotations
@@ -205,6 +206,9 @@ def main() -> None:
     parser.add_argument("--hf-batch", type=int, default=8)
     parser.add_argument("--plot", default="benchmarks/engine_throughput.png")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--workloads", nargs="+", choices=("shared", "mixed"),
+                        default=["shared", "mixed"])
+    parser.add_argument("--no-scaling", action="store_true", help="skip throughput vs batch size")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads for both systems (1 is steadier on a busy machine)")
     args = parser.parse_args()
@@ -216,9 +220,12 @@ def main() -> None:
     vocab = int(json.loads((folder / "config.json").read_text())["vocab_size"])
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     scale = 4 if args.quick else 1
-    workloads = [shared_prefix(vocab, 8 // (2 if args.quick else 1), 8 // (2 if args.quick else 1),
-                               512, 64, 32),
-                 mixed(vocab, 64 // scale, (32, 513), (16, 128))]
+    workloads = []
+    if "shared" in args.workloads:
+        per = 8 // (2 if args.quick else 1)
+        workloads.append(shared_prefix(vocab, per, per, 512, 64, 32))
+    if "mixed" in args.workloads:
+        workloads.append(mixed(vocab, 64 // scale, (32, 513), (16, 128)))
     report: dict[str, object] = {}
     for work in workloads:
         print(f"\n{work.name}: {len(work.prompts)} requests, "
@@ -244,6 +251,10 @@ def main() -> None:
     print(f"\ndecode step at batch 16: {step_s * 1e3:.1f} ms, control overhead "
           f"{overhead * 100:.1f}% (target < 10%)")
     report["control_overhead_batch16"] = overhead
+    if args.no_scaling:
+        if args.json:
+            Path(args.json).write_text(json.dumps(report, indent=2))
+        return
     print("\ndecode throughput against batch size:")
     scaling = decode_scaling(folder, model, vocab, [1, 4, 16] if args.quick else [1, 2, 4, 8, 16, 32])
     report["scaling"] = scaling
