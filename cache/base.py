@@ -116,6 +116,12 @@ class PrefixCache(abc.ABC):
         """Evictable and protected token counts."""
 
     @abc.abstractmethod
+    def publish_snapshot(self) -> None:
+        """Send the whole content again as events: ``CLEARED``, then one ``INSERTED`` per
+        leaf path. For a reader of the events that lost track (it restarted, or some were
+        lost); a cache without events does nothing."""
+
+    @abc.abstractmethod
     def iter_prefixes(self) -> Iterator[CachedPrefix]:
         """Every stored run of tokens (for integrity checks and tests)."""
 

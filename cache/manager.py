@@ -224,6 +224,10 @@ class KVCacheManager:
         """Free a request without caching anything it computed (abort)."""
         self.cache_finished_req(row, np.zeros(0, dtype=np.int32))
 
+    def publish_snapshot(self) -> None:
+        """Send the prefix cache's whole content as events again (see `PrefixCache`)."""
+        self.prefix_cache.publish_snapshot()
+
     def reset(self) -> None:
         """Drop every request row and every cached prefix; the whole pool is free again."""
         self._rows.clear()

@@ -62,6 +62,9 @@ class NoPrefixCache(PrefixCache):
     def reset(self) -> None:
         return None
 
+    def publish_snapshot(self) -> None:
+        return None  # no events: nothing to resend
+
     @property
     def size_info(self) -> SizeInfo:
         return SizeInfo(0, 0)

@@ -256,6 +256,22 @@ class RadixCache(PrefixCache):
                 heapq.heappush(heap, (parent.last_access, parent.id, parent))
         return np.concatenate(freed)
 
+    def publish_snapshot(self) -> None:
+        if self._event_sink is None:
+            return
+        self._emit(EventKind.CLEARED, None, _EMPTY, 0)
+        for extra_key, root in self._roots.items():
+            stack: list[tuple[TreeNode, bytes]] = [(root, b"")]
+            while stack:
+                node, above = stack.pop()
+                for child in node.children.values():
+                    path = above + child.key
+                    if child.children:
+                        stack.append((child, path))
+                    else:
+                        tokens = np.frombuffer(path, dtype=np.int32).copy()
+                        self._emit(EventKind.INSERTED, extra_key, tokens, len(tokens))
+
     # ---------------------------------------------------------------------------- helpers
     def _root(self, extra_key: Hashable) -> TreeNode:
         root = self._roots.get(extra_key)

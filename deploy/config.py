@@ -114,6 +114,14 @@ class AppConfig(BaseModel):
     balance_rel_threshold: float = Field(
         1.5, ge=1, description="cache_aware: and busiest / idlest load ratio above which too"
     )
+    router_mode: Literal["exact", "approximate"] = Field(
+        "exact",
+        description="cache_aware: the router's tree follows the replicas' cache events (exact), "
+        "or its own routing decisions, with an LRU cap (approximate: no events are sent)",
+    )
+    router_approx_tokens: int = Field(
+        4_000_000, ge=1, description="cache_aware, approximate: most tokens the router's tree keeps"
+    )
     router_decision_timeout_s: float = Field(
         0.05, gt=0, description="cache_aware: wait this long for the router, then route by load"
     )

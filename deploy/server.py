@@ -7,10 +7,11 @@ placement group); with tp > 1 the ranks take one CPU bundle each.
 
 The engine itself comes from an `EngineFactory`, so tests can serve a different engine.
 
-With the cache-aware router (`routing` set), the engine publishes its radix-cache events into an
-`EventBuffer`, and a `ReplicaReporter` task on the replica's event loop sends them, with the
-replica's load, to the application's router actor (made here by the first replica, so it carries
-the application's name and page size).
+With the cache-aware router (`routing` set), a `ReplicaReporter` task on the replica's event loop
+sends the replica's load to the application's router actor (made here by the first replica, so it
+carries the application's name and page size). In exact mode (`router_events`) the engine also
+publishes its radix-cache events into an `EventBuffer`, which the reporter sends along, and the
+engine sends its whole cache again when the router asks (after a router restart or lost events).
 
 Faults: a replica whose engine can't step any more (its loop stopped, or a rank died) is of no
 use, and Serve's health check would notice only after several periods, while routers keep
@@ -60,6 +61,8 @@ class ReplicaSettings:
     use_gpu_bundles: bool = False  # ranks sit in GPU bundles (else CPU / in-process)
     max_waiting_requests: int = 256  # admission bound beyond the running requests
     startup_timeout_s: float = 600.0  # bound on starting the ranks
+    router_events: bool = True  # cache_aware: send the cache's events (exact mode)
+    router_approx_tokens: int = 4_000_000  # cache_aware without events: the tree's cap
 
 
 EngineFactory = Callable[[EngineConfig, ReplicaSettings, EventSink | None], Engine]
@@ -160,7 +163,7 @@ class EngineServer:
         self.replica_id = _replica_id()
         logger.info("replica %s: starting the engine (tp=%d) over %s", self.replica_id,
                     engine_config.worker.tp_size, engine_config.worker.model_path)
-        events = EventBuffer() if routing is not None else None
+        events = EventBuffer() if routing is not None and settings.router_events else None
         engine = engine_factory(engine_config, settings, events)
         loop = asyncio.get_running_loop()  # the constructor runs on the replica's event loop
         self._leaving: asyncio.Task[None] | None = None
@@ -182,10 +185,18 @@ class EngineServer:
         if stats_board is not None:
             self._reporter = loop.create_task(self._report(stats_board, report_period_s))
         self._router_reporter: asyncio.Task[None] | None = None
-        if events is not None:
-            router = get_or_create_router(_app_name(), engine_config.scheduler.page_size, routing)
-            reporter = ReplicaReporter(router, self.replica_id, events.drain, self._load)
+        if routing is not None:
+            router = get_or_create_router(_app_name(), engine_config.scheduler.page_size, routing,
+                                          exact=events is not None,
+                                          max_approx_tokens=settings.router_approx_tokens)
+            reporter = ReplicaReporter(
+                router, self.replica_id, events.drain if events is not None else tuple, self._load,
+                publish_snapshot=self._publish_snapshot if events is not None else None)
             self._router_reporter = loop.create_task(reporter.run())
+
+    async def _publish_snapshot(self) -> None:
+        """The router lost track of this replica's cache: send all of it again as events."""
+        await self.engine.call(lambda engine: engine.scheduler.cache.publish_snapshot())
 
     def _load(self) -> LoadReport:
         """Read on the event loop while the loop thread steps: counters and sizes, no locks;

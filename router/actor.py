@@ -20,7 +20,8 @@ from .policy import RoutingDecision, RoutingPolicyConfig
 from .state import RouterState
 
 ROUTER_ACTOR_PREFIX = "raydix-router"
-ROUTER_NAMESPACE = "raydix"  # one namespace, so the replicas, proxies and drivers all find it
+ROUTER_NAMESPACE = "raydix"
+HEAD_NODE_RESOURCE = "node:__internal_head__"  # Ray gives the head node 1 of it  # one namespace, so the replicas, proxies and drivers all find it
 
 
 def router_actor_name(app_name: str) -> str:
@@ -70,8 +71,9 @@ class RouterActor:
     async def set_replicas(self, replicas: Sequence[str]) -> None:
         self.state.set_replicas(replicas)
 
-    async def publish(self, replica: str, events: Sequence[CacheEvent]) -> None:
-        self.state.publish(replica, events)
+    async def publish(self, replica: str, events: Sequence[CacheEvent]) -> bool:
+        """Apply the events; True asks the replica for its snapshot (`RouterState.publish`)."""
+        return self.state.publish(replica, events)
 
     async def report_load(
         self, replica: str, num_running: int, num_waiting: int, kv_usage: float, num_received: int
@@ -101,9 +103,11 @@ def get_or_create_router(
     page_size: int,
     policy: RoutingPolicyConfig | None = None,
     exact: bool = True,
+    max_approx_tokens: int = 4_000_000,
 ) -> ActorHandle:
-    """The application's router actor, made on first use (detached from its creator). An actor
-    left by an earlier deployment of the app with other settings is reset to these."""
+    """The application's router actor, made on first use (detached from its creator), on the
+    head node: a worker node's loss must not take the router with it. An actor left by an
+    earlier deployment of the app with other settings is reset to these."""
     remote = ray.remote(num_cpus=0, max_restarts=-1)(RouterActor)
     actor = remote.options(
         name=router_actor_name(app_name),
@@ -111,6 +115,8 @@ def get_or_create_router(
         get_if_exists=True,
         lifetime="detached",
         scheduling_strategy="DEFAULT",  # never inside the caller's placement group
-    ).remote(page_size, policy, exact)
-    actor.configure.remote(page_size, policy, exact)  # ordered before this caller's next calls
+        resources={HEAD_NODE_RESOURCE: 0.001},
+    ).remote(page_size, policy, exact, max_approx_tokens)
+    # ordered before this caller's next calls
+    actor.configure.remote(page_size, policy, exact, max_approx_tokens)
     return actor  # type: ignore[no-any-return]

@@ -1,17 +1,25 @@
 """Engine replica → router: cache events and load, in batches, off the request path.
 
 A replica runs one ``ReplicaReporter`` task on its event loop. Every ``period_s`` it drains the
-cache events its engine buffered and reads its load, and sends both to the router actor without
-waiting for an answer. Calls from one caller reach an actor in order, so events arrive in
-sequence; a lost batch shows as a gap in ``seq`` and the router rebuilds that replica's entries.
+cache events its engine buffered and reads its load, and sends both to the router actor. Calls
+from one caller reach an actor in order, so events arrive in sequence.
+
+The load goes when it changed, and at least every ``heartbeat_s`` (the router counts requests
+routed since the last load report). The router answers each batch of events (an empty batch at
+least every ``heartbeat_s``) with
+whether it needs this replica's snapshot: after a router restart, a late registration or lost
+events, it no longer knows what the replica holds. The reporter then has the engine send its
+whole cache again (``publish_snapshot``, at most once per ``snapshot_interval_s``), which
+reaches the router through the same event stream, in order.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Sequence
-from typing import NamedTuple
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, NamedTuple
 
 from ray.actor import ActorHandle
 
@@ -35,30 +43,58 @@ class ReplicaReporter:
         drain_events: Callable[[], Sequence[CacheEvent]],
         read_load: Callable[[], LoadReport],
         period_s: float = 0.05,
+        publish_snapshot: Callable[[], Awaitable[None]] | None = None,
+        heartbeat_s: float = 1.0,
+        snapshot_interval_s: float = 2.0,
+        answer_timeout_s: float = 2.0,
     ) -> None:
         self.router = router
         self.replica_id = replica_id
         self._drain_events = drain_events
         self._read_load = read_load
         self.period_s = period_s
+        self._publish_snapshot = publish_snapshot
+        self.heartbeat_s = heartbeat_s
+        self.snapshot_interval_s = snapshot_interval_s
+        self.answer_timeout_s = answer_timeout_s
         self._last_load: LoadReport | None = None
+        self._last_load_at = float("-inf")
+        self._last_publish = float("-inf")
+        self._last_snapshot = float("-inf")
+        self.num_snapshots = 0
 
-    def report_once(self) -> int:
-        """Send what changed since the last report; returns the number of events sent."""
+    def report_once(self) -> Any:
+        """Send what changed since the last report; returns the router's answer to the events
+        (an awaitable), or None when nothing was sent."""
         events = list(self._drain_events())
-        if events:
-            self.router.publish.remote(self.replica_id, events)
+        answer = None
+        now = time.monotonic()
+        if events or now - self._last_publish >= self.heartbeat_s:
+            answer = self.router.publish.remote(self.replica_id, events)
+            self._last_publish = now
         load = self._read_load()
-        if load != self._last_load:
+        if load != self._last_load or now - self._last_load_at >= self.heartbeat_s:
             self.router.report_load.remote(self.replica_id, *load)
-            self._last_load = load
-        return len(events)
+            self._last_load, self._last_load_at = load, now
+        return answer
+
+    async def _follow_up(self, answer: Any) -> None:
+        """Send the snapshot when the router asks for it."""
+        if answer is None or self._publish_snapshot is None:
+            return
+        needs_snapshot = await asyncio.wait_for(answer, self.answer_timeout_s)
+        now = time.monotonic()
+        if needs_snapshot and now - self._last_snapshot >= self.snapshot_interval_s:
+            self._last_snapshot = now
+            self.num_snapshots += 1
+            logger.info("replica %s: the router asked for the cache's snapshot", self.replica_id)
+            await self._publish_snapshot()
 
     async def run(self) -> None:
         """Report until cancelled; a failed report is logged and the next one goes on."""
         while True:
             try:
-                self.report_once()
+                await self._follow_up(self.report_once())
             except Exception:  # the router may be restarting: routing falls back meanwhile
                 logger.warning("reporting to the router failed", exc_info=True)
             await asyncio.sleep(self.period_s)

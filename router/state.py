@@ -5,9 +5,11 @@ Exact mode mirrors the replicas' own cache events, and holds each routing decisi
 that arrive together follow the first one. Approximate mode (events off) records each routing
 decision in the tree instead, capped at ``max_approx_tokens`` with LRU eviction.
 
-A replica's load is its running plus waiting requests, plus the requests routed to it that it
-has not reported yet (``routed - received``), so a burst routed between two load reports is not
-invisible.
+A replica's load is its running plus waiting requests as of its last load report, plus the
+requests routed to it since that report, so a burst routed between two reports is not invisible.
+Counting from the last report (rather than all routed minus all received) keeps no error for
+good: a request that Serve sent elsewhere than the router chose (the chosen replica was full or
+slow to answer) counts only until the next report, which replicas send at least every second.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
-from raydix.cache import CacheEvent
+from raydix.cache import CacheEvent, EventKind
 
 from .in_flight import InFlightPrefixes
 from .policy import CacheAwarePolicy, RoutingDecision, RoutingPolicyConfig
@@ -34,15 +36,16 @@ class ReplicaLoad:
     num_waiting: int = 0
     kv_usage: float = 0.0
     num_received: int = 0  # requests the replica has seen, as of its last report
-    num_routed: int = 0  # requests the router sent it
+    num_unreported: int = 0  # requests routed to it since its last load report
     last_event_seq: int = -1
+    needs_snapshot: bool = False  # its events stopped following on; see `RouterState.publish`
     decisions: int = 0
     hit_tokens: int = 0
     prompt_tokens: int = 0
 
     @property
     def load(self) -> float:
-        return self.num_running + self.num_waiting + max(0, self.num_routed - self.num_received)
+        return self.num_running + self.num_waiting + self.num_unreported
 
 
 @dataclass
@@ -105,7 +108,7 @@ class RouterState:
         loads = {name: self.replicas[name].load for name in names}
         decision = self.policy.choose(names, len(tokens), matched, loads)
         chosen = self.replicas[decision.replica]
-        chosen.num_routed += 1
+        chosen.num_unreported += 1
         chosen.decisions += 1
         chosen.prompt_tokens += len(tokens)
         chosen.hit_tokens += decision.matched_len
@@ -118,23 +121,32 @@ class RouterState:
         self.stats.record(time.perf_counter_ns() - start)
         return decision
 
-    def publish(self, replica: ReplicaId, events: Sequence[CacheEvent]) -> None:
-        """Apply a batch of a replica's cache events. A gap in their sequence numbers means
-        events were lost: the replica's entries are dropped and rebuilt from what follows."""
+    def publish(self, replica: ReplicaId, events: Sequence[CacheEvent]) -> bool:
+        """Apply a batch of a replica's cache events; returns whether the router needs the
+        replica's snapshot (its whole cache sent again, starting with ``CLEARED``).
+
+        Events that do not follow on from the last one seen (the router restarted, the replica
+        was registered after it began, or events were lost) drop the replica's entries; what
+        follows is applied, and the snapshot is asked for until its ``CLEARED`` arrives.
+        Events of a replica the router does not list are ignored."""
         if not self.exact or replica not in self.replicas:
-            return
+            return False
         state = self.replicas[replica]
         for event in events:
             if event.seq <= state.last_event_seq:
                 continue
-            if event.seq != state.last_event_seq + 1 and state.last_event_seq >= 0:
+            if event.kind is EventKind.CLEARED:
+                state.needs_snapshot = False
+            elif event.seq != state.last_event_seq + 1:
                 self.tree.drop_replica(replica)
+                state.needs_snapshot = True
             state.last_event_seq = event.seq
             self.tree.apply_event(replica, event)
         if events:
             self.in_flight.confirm(
                 replica, lambda tokens, key: self.tree.match(tokens, key).get(replica, 0)
             )
+        return state.needs_snapshot
 
     def report_load(
         self,
@@ -149,3 +161,4 @@ class RouterState:
             return
         state.num_running, state.num_waiting = num_running, num_waiting
         state.kv_usage, state.num_received = kv_usage, num_received
+        state.num_unreported = 0

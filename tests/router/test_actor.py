@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -51,8 +52,11 @@ def test_reporter_feeds_events_and_load_to_the_router(ray_local: None) -> None:
         r: ReplicaReporter(router, r, buffers[r].drain, lambda r=r: loads[r]) for r in buffers
     }
     caches["r0"].insert(list(range(50, 80)), list(range(1, 31)))
-    assert reporters["r0"].report_once() == 2  # the CLEARED event at start, then the insert
-    assert reporters["r1"].report_once() == 1
+    # r0: the CLEARED event at start, then the insert; r1: its CLEARED. Both follow on from the
+    # start, so the router asks neither for a snapshot.
+    assert ray.get(reporters["r0"].report_once()) is False
+    assert ray.get(reporters["r1"].report_once()) is False
+    assert reporters["r0"].report_once() is None  # nothing new, and the heartbeat is not due
     decision = ray.get(router.route.remote(list(range(50, 90)), None, ["r0", "r1"]))
     assert (decision.replica, decision.matched_len) == ("r0", 30)
     # r0 becomes overloaded: the next prompt with the same prefix goes to r1
@@ -60,4 +64,52 @@ def test_reporter_feeds_events_and_load_to_the_router(ray_local: None) -> None:
     reporters["r0"].report_once()
     decision = ray.get(router.route.remote(list(range(50, 90)), None, ["r0", "r1"]))
     assert decision.replica == "r1" and decision.reason == "balance"
+    ray.kill(router, no_restart=True)
+
+
+def test_a_restarted_router_gets_the_replicas_cache_back(ray_local: None) -> None:
+    """The router actor restarts empty. The replica's next events do not follow on from
+    anything it has, so it asks for the snapshot, and the tree holds the replica's cache again,
+    including what was cached before the restart."""
+    import asyncio
+
+    from raydix.router.reporter import LoadReport, ReplicaReporter
+
+    router = get_or_create_router("resync", page_size=1)
+    ray.get(router.set_replicas.remote(["r0"]))
+    buffer = EventBuffer()
+    cache = RadixCache(event_sink=buffer)
+
+    async def snapshot() -> None:
+        cache.publish_snapshot()
+
+    reporter = ReplicaReporter(router, "r0", buffer.drain, lambda: LoadReport(0, 0, 0.0, 0),
+                               publish_snapshot=snapshot, snapshot_interval_s=0.0)
+
+    def report() -> None:
+        asyncio.run(reporter._follow_up(reporter.report_once()))
+
+    before = list(range(300, 340))
+    cache.insert(before, list(range(1, 41)))
+    report()
+    assert reporter.num_snapshots == 0
+    ray.kill(router, no_restart=False)  # max_restarts=-1: the same name, a fresh state
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if ray.get(router.replica_ids.remote(), timeout=5) == []:
+                break
+        except ray.exceptions.RayError:
+            pass
+        assert time.monotonic() < deadline, "the router actor did not come back"
+        time.sleep(0.2)
+    # the request router registers the replicas it routes among
+    assert ray.get(router.route.remote(before, None, ["r0"])).matched_len == 0
+    cache.insert(list(range(500, 520)), list(range(41, 61)))
+    report()  # the insert's seq does not follow on: the router asks, the snapshot is buffered
+    assert reporter.num_snapshots == 1
+    report()  # the snapshot reaches the router
+    assert reporter.num_snapshots == 1
+    assert ray.get(router.route.remote(before + [7], None, ["r0"])).matched_len == len(before)
+    assert ray.get(router.route.remote(list(range(500, 520)), None, ["r0"])).matched_len == 20
     ray.kill(router, no_restart=True)

@@ -87,9 +87,9 @@ def tiny_model(folder: Path) -> Path:
     return folder
 
 
-def app_config(model: Path, replicas: int) -> AppConfig:
+def app_config(model: Path, replicas: int, router_mode: str = "exact") -> AppConfig:
     return AppConfig(model=str(model), device="cpu", replicas=replicas, max_total_tokens=4096,
-                     max_running_requests=8, max_context_len=256,
+                     max_running_requests=8, max_context_len=256, router_mode=router_mode,
                      router_decision_timeout_s=2.0)  # a loaded 2-core machine answers late
 
 
@@ -100,12 +100,12 @@ class Cluster:
         self.port = port
         self.survivors: set[str] = set()  # the replicas that outlived the killed one
 
-    def deploy(self, replicas: int) -> None:
+    def deploy(self, replicas: int, router_mode: str = "exact") -> None:
         from ray import serve
 
         from raydix.deploy.app import bind_app
 
-        app = bind_app(app_config(self.model, replicas),
+        app = bind_app(app_config(self.model, replicas, router_mode),
                        engine_factory=recording_factory(str(self.log_dir)))
         serve.run(app, name=APP, route_prefix="/")
 
@@ -313,3 +313,19 @@ def test_scaled_up_replicas_receive_traffic(cluster: Cluster) -> None:
     assert num_failed == 0 and len(done) == len(items)
     placements = cluster.placements()
     assert {placements[rid] for rid in done} == new
+
+
+def test_approximate_mode_follows_the_routers_own_decisions(cluster: Cluster) -> None:
+    """Events off: the replicas send none (the tree holds exactly what was routed, whole
+    prompts, which a replica's events never give before its prefill), and affinity holds."""
+    cluster.deploy(replicas=3, router_mode="approximate")
+    wait_until(lambda: len(cluster.router_replicas()) == 3, 60, "the replicas did not register")
+    router = get_router(APP)
+    assert ray.get(router.stats.remote(), timeout=30)["tree_tokens"] == 0  # reset, no events
+    items = workload(5, NUM_GROUPS, PER_GROUP)
+    done, num_failed = send(items, "approx")
+    assert num_failed == 0 and len(done) == len(items)
+    assert_affinity(by_group(done, cluster.placements()))
+    # the tree holds the prefixes and the questions routed: nothing from the engines' outputs
+    expected = len({tuple(p[:k]) for _, p in items for k in range(1, len(p) + 1)})
+    assert ray.get(router.stats.remote(), timeout=30)["tree_tokens"] == expected

@@ -16,9 +16,25 @@ def test_routed_but_unreported_requests_count_as_load() -> None:
     state.set_replicas(["a", "b"])
     chosen = [state.route(list(range(i * 10, i * 10 + 8))).replica for i in range(4)]
     assert sorted(chosen) == ["a", "a", "b", "b"]  # cold prompts alternate
+    assert state.replicas["a"].load == 2  # nothing reported yet: the two routed to it
     state.report_load("a", 1, 0, 0.1, num_received=2)
     state.report_load("b", 30, 10, 0.9, num_received=2)
     assert state.route([999] * 8).replica == "a"
+    assert state.replicas["a"].load == 2  # 1 running, as reported, and 1 routed since
+
+
+def test_a_request_served_elsewhere_counts_only_until_the_next_report() -> None:
+    # Serve may send a request to another replica than the router chose (the chosen one was
+    # full or slow to answer): that phantom load must not stay and skew every later choice.
+    state = RouterState()
+    state.set_replicas(["a", "b"])
+    first = state.route([1] * 8).replica
+    other = "b" if first == "a" else "a"
+    state.report_load(other, 1, 0, 0.1, num_received=1)  # the request ran on the other one
+    assert state.replicas[first].load == 1
+    state.report_load(first, 0, 0, 0.0, num_received=0)  # its next report, unchanged
+    state.report_load(other, 0, 0, 0.0, num_received=1)  # the request finished
+    assert state.replicas[first].load == 0 == state.replicas[other].load
 
 
 def test_exact_mode_follows_events_and_a_gap_resets_the_replica() -> None:
@@ -130,3 +146,28 @@ def test_in_flight_records_are_capped() -> None:
     assert records.match(np.arange(0, 4, dtype=np.int32)) == {}  # the oldest went first
     assert records.match(np.arange(40, 44, dtype=np.int32)) == {"a": 4}
     records.check_integrity()
+
+
+def test_a_replica_snapshot_restores_what_a_restarted_router_lost() -> None:
+    buffer = EventBuffer()
+    cache = RadixCache(page_size=4, event_sink=buffer)
+    full = RouterState(page_size=4)  # saw every event
+    full.set_replicas(["a"])
+    cache.insert(PROMPT, list(range(4, 68)))
+    cache.insert(PROMPT[:32] + list(range(900, 932)), list(range(4, 36)) + list(range(68, 100)))
+    assert full.publish("a", buffer.drain()) is False
+    restarted = RouterState(page_size=4)
+    restarted.set_replicas(["a"])
+    cache.evict(32)  # one leaf goes
+    cache.insert(list(range(700, 708)), list(range(100, 108)))
+    later = buffer.drain()
+    assert full.publish("a", later) is False
+    assert restarted.publish("a", later) is True  # these follow on from nothing it has
+    assert restarted.publish("a", []) is True  # and it keeps asking
+    cache.publish_snapshot()
+    snapshot = buffer.drain()
+    assert snapshot[0].kind.value == "cleared"
+    assert restarted.publish("a", snapshot) is False
+    assert full.publish("a", snapshot) is False
+    assert restarted.tree.holdings("a") == full.tree.holdings("a") != set()
+    restarted.tree.check_integrity()
