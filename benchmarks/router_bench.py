@@ -23,8 +23,12 @@ cache-aware router is for: round robin makes every replica cache every group, an
 each other's work; cache-aware routing lets each replica keep its own groups. `--kv-tokens
 100000` takes the pressure away (every replica holds everything) for comparison.
 
-    python benchmarks/router_bench.py http [--replicas 4] [--concurrency 32] [--kv-tokens N]
-        [--quick] [--plot benchmarks/router_policies.png] [--json out.json]
+    python benchmarks/router_bench.py http [--replicas 4] [--concurrency 32 | --rate R]
+        [--kv-tokens N] [--quick] [--plot benchmarks/router_policies.png] [--json out.json]
+
+By default the load is a closed loop of `--concurrency` requests in flight, so all 32 first
+requests (cold prefixes included) arrive at once. `--rate R` makes it an open loop instead:
+Poisson arrivals at R requests/s, the same offered load for every router.
 """
 
 from __future__ import annotations
@@ -120,16 +124,21 @@ async def _one(client: httpx.AsyncClient, url: str, prompt: list[int], max_token
 
 
 async def run_workload(url: str, prompts: list[list[int]], max_tokens: int,
-                       concurrency: int) -> dict[str, float]:
-    sem = asyncio.Semaphore(concurrency)
+                       concurrency: int, rate: float | None = None) -> dict[str, float]:
+    """Closed loop (`rate` None): `concurrency` requests in flight at all times. Open loop:
+    requests arrive at `rate` per second (Poisson), whatever is in flight."""
+    sem = asyncio.Semaphore(concurrency if rate is None else len(prompts))
+    gaps = np.random.default_rng(7).exponential(1.0 / rate, len(prompts)) if rate else None
     async with httpx.AsyncClient(timeout=600) as client:
 
-        async def limited(p: list[int]) -> tuple[float, int, int, int]:
+        async def limited(i: int, p: list[int]) -> tuple[float, int, int, int]:
+            if gaps is not None:
+                await asyncio.sleep(float(gaps[: i + 1].sum()))
             async with sem:
                 return await _one(client, url, p, max_tokens)
 
         start = time.perf_counter()
-        results = await asyncio.gather(*(limited(p) for p in prompts))
+        results = await asyncio.gather(*(limited(i, p) for i, p in enumerate(prompts)))
         wall = time.perf_counter() - start
     ttft = np.array([r[0] for r in results])
     prompt_tokens = sum(r[1] for r in results)
@@ -171,7 +180,7 @@ def http_compare(args: argparse.Namespace) -> None:
             serve.run(build_app(config), name="bench", route_prefix="/")
             asyncio.run(run_workload(url, warmup, 1, args.replicas))  # no prefix in common
             results[router] = asyncio.run(run_workload(url, prompts, max_tokens,
-                                                       args.concurrency))
+                                                       args.concurrency, args.rate))
             r = results[router]
             print(f"{router:>13}: hit rate {r['hit_rate']:.3f}, {r['throughput']:.1f} tok/s, "
                   f"TTFT mean {r['ttft_mean'] * 1e3:.0f} ms, p99 {r['ttft_p99'] * 1e3:.0f} ms "
@@ -185,8 +194,9 @@ def http_compare(args: argparse.Namespace) -> None:
             json.dump({"kv_tokens": args.kv_tokens, "replicas": args.replicas,
                        "results": results}, f, indent=2)
     if args.plot:
+        load = f"{args.rate:g} req/s" if args.rate else f"{args.concurrency} in flight"
         plot(results, args.plot, f"{args.replicas} replicas, {groups}x{per_group} shared-prefix "
-                                 f"requests, KV pool {args.kv_tokens:,} tokens each")
+                                 f"requests, {load}, KV pool {args.kv_tokens:,} tokens each")
     if "cache_aware" not in results:
         return
     ca = results["cache_aware"]
@@ -233,7 +243,10 @@ def main() -> None:
                      help="decisions routed but not yet confirmed by the replicas' events")
     http = sub.add_parser("http", help="the routers compared through HTTP")
     http.add_argument("--replicas", type=int, default=4)
-    http.add_argument("--concurrency", type=int, default=32)
+    http.add_argument("--concurrency", type=int, default=32,
+                      help="closed loop: requests in flight (and each replica's running cap)")
+    http.add_argument("--rate", type=float,
+                      help="open loop instead: requests arrive at this rate per second")
     http.add_argument("--routers", nargs="+", choices=ROUTERS, default=list(ROUTERS))
     http.add_argument("--port", type=int, default=8123)
     http.add_argument("--address", help="join this Ray cluster (default: a local Ray)")
