@@ -79,14 +79,23 @@ def _group_prompts(groups: int, per_group: int) -> list[tuple[int, list[int]]]:
             for q in range(per_group) for g in range(groups)]
 
 
-def test_concurrent_cold_requests_of_a_group_follow_the_first() -> None:
-    # No event arrives between the decisions (they are all in flight): each group still lands
-    # on one replica, and the groups spread over the replicas.
+def _homes(drop_records: bool) -> dict[int, set[str]]:
+    """Route 3 groups x 6 prompts with no event in between; each group's replicas."""
     state = RouterState(page_size=4)
     state.set_replicas(["a", "b", "c"])
     where: dict[int, set[str]] = {}
     for group, prompt in _group_prompts(3, 6):
         where.setdefault(group, set()).add(str(state.route(prompt).replica))
+        if drop_records:
+            for name in "abc":
+                state.in_flight.drop_replica(name)
+    return where
+
+
+def test_concurrent_cold_requests_of_a_group_follow_the_first() -> None:
+    # No event arrives between the decisions (they are all in flight): each group still lands
+    # on one replica, and the groups spread over the replicas.
+    where = _homes(drop_records=False)
     assert all(len(r) == 1 for r in where.values()), where
     assert {r.pop() for r in where.values()} == {"a", "b", "c"}
 
@@ -94,14 +103,7 @@ def test_concurrent_cold_requests_of_a_group_follow_the_first() -> None:
 def test_without_in_flight_records_a_group_would_spread() -> None:
     # The same stream with the records dropped after each decision: this is what the records
     # prevent (the test above would pass for nothing if the spread never happened).
-    state = RouterState(page_size=4)
-    state.set_replicas(["a", "b", "c"])
-    where: dict[int, set[str]] = {}
-    for group, prompt in _group_prompts(3, 6):
-        where.setdefault(group, set()).add(str(state.route(prompt).replica))
-        for name in "abc":
-            state.in_flight.drop_replica(name)
-    assert any(len(r) > 1 for r in where.values())
+    assert any(len(r) > 1 for r in _homes(drop_records=True).values())
 
 
 def test_in_flight_records_end_when_events_confirm_them() -> None:
