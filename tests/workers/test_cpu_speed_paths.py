@@ -4,7 +4,8 @@ batches split by length."""
 from __future__ import annotations
 
 import platform
-import resource
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -64,23 +65,40 @@ def test_runner_packs_every_linear_and_keeps_the_logits(
                                atol=1e-4, rtol=0)
 
 
+_LAYERS_SCRIPT = """
+import resource, sys, torch
+from raydix.workers.host_memory import keep_freed_memory
+if sys.argv[1] == "kept":
+    assert keep_freed_memory()
+size = 24 << 20  # a prefill MLP activation
+faults = []
+for _ in range(12):  # three activations alive at once, all freed at the end, like a layer
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    acts = [torch.ones(size // 4) for _ in range(3)]
+    del acts
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(*faults)
+"""
+
+
+def _layer_faults(mode: str) -> list[int]:
+    """Minor page faults of each of 12 layer-like alloc/free rounds, in a fresh interpreter
+    (the heap of this test process depends on what ran before it)."""
+    out = subprocess.run([sys.executable, "-c", _LAYERS_SCRIPT, mode], capture_output=True,
+                         text=True, timeout=120, check=True)
+    return [int(n) for n in out.stdout.split()]
+
+
 @pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc",
                     reason="glibc only")
 def test_freed_activations_are_reused_without_page_faults() -> None:
     assert keep_freed_memory()
-    size = 24 << 20  # a prefill MLP activation: above glibc's own thresholds, below ours
-
-    def layer() -> None:  # three activations alive at once, all freed at the end
-        acts = [torch.ones(size // 4) for _ in range(3)]
-        del acts
-
-    layer()  # warm the heap
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    for _ in range(20):
-        layer()
-    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
-    # with a fresh mmap per tensor these 60 tensors fault over 15,000 times
-    assert faults < 1000
+    default, kept = _layer_faults("default"), _layer_faults("kept")
+    # The first round faults its fresh pages either way, and the heap may grow once more.
+    # glibc's defaults also unmap the freed blocks and map them again until its thresholds
+    # adapt; kept in the heap, they are reused, and after a few rounds nothing faults.
+    assert 2 * sum(kept[1:]) < sum(default[1:]), (kept, default)
+    assert sum(kept[4:]) < 1000, kept
 
 
 def test_decode_batch_splits_by_length_only_when_it_pays() -> None:
