@@ -1,8 +1,12 @@
 """The router actor: one named Ray actor per application holds the ``RouterState``.
 
 Every ingress replica's request router asks this one actor, so they all agree. Engine replicas
-push their cache events and load to it in batches, off the request path. Its methods are
-``async`` and never block on other actors, so a slow caller never stalls the others.
+push their cache events and load to it in batches, off the request path.
+
+It is a plain (synchronous, single-threaded) actor on purpose: Ray runs the calls of one caller
+in the order they were sent only for such actors, and a replica's events, its load reports and a
+`configure` must be applied in order. Each method is a few microseconds of CPU work that never
+waits on anything, so serial execution costs no concurrency.
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ class RouterActor:
         self._settings = (page_size, policy or RoutingPolicyConfig(), exact, max_approx_tokens)
         self.state = RouterState(page_size, policy, exact, max_approx_tokens)
 
-    async def configure(
+    def configure(
         self,
         page_size: int,
         policy: RoutingPolicyConfig | None = None,
@@ -60,7 +64,7 @@ class RouterActor:
         self.state = RouterState(page_size, policy, exact, max_approx_tokens)
         return True
 
-    async def route(
+    def route(
         self,
         token_ids: npt.NDArray[np.int32],
         extra_key: Hashable,
@@ -68,23 +72,23 @@ class RouterActor:
     ) -> RoutingDecision:
         return self.state.route(token_ids, extra_key, candidates)
 
-    async def set_replicas(self, replicas: Sequence[str]) -> None:
+    def set_replicas(self, replicas: Sequence[str]) -> None:
         self.state.set_replicas(replicas)
 
-    async def publish(self, replica: str, events: Sequence[CacheEvent]) -> bool:
+    def publish(self, replica: str, events: Sequence[CacheEvent]) -> bool:
         """Apply the events; True asks the replica for its snapshot (`RouterState.publish`)."""
         return self.state.publish(replica, events)
 
-    async def report_load(
+    def report_load(
         self, replica: str, num_running: int, num_waiting: int, kv_usage: float, num_received: int
     ) -> None:
         self.state.report_load(replica, num_running, num_waiting, kv_usage, num_received)
 
-    async def replica_ids(self) -> list[str]:
+    def replica_ids(self) -> list[str]:
         """The replicas the router knows, in id order."""
         return sorted(str(r) for r in self.state.replicas)
 
-    async def stats(self) -> dict[str, float]:
+    def stats(self) -> dict[str, float]:
         """Decision latency, and per replica its decisions and hit rate, for /metrics."""
         out = {
             "decision_p50_us": self.state.stats.percentile_us(50),
