@@ -109,6 +109,12 @@ def test_node_loss_fails_only_its_replicas_requests_and_the_replica_comes_back(
         assert known and held > 0
         await asyncio.to_thread(sim_cluster.cluster.remove_node,
                                 sim_cluster.gpu_nodes()[victim.node_id], False)
+
+        def node_dead() -> bool:  # its processes are gone (a request started before may still
+            # have streamed from it, and then rightly fails)
+            return not any(n["NodeID"] == victim.node_id and n["Alive"] for n in ray.nodes())
+
+        await asyncio.to_thread(wait_until, node_dead, 30, "Ray to mark the lost node dead")
         # requests sent now, before Serve has noticed, go to the survivor (or are sent again)
         late = [generate(engine, f"late {i}: hello there", 8) for i in range(6)]
         outcomes = await asyncio.wait_for(asyncio.gather(*streams, *late), 90)
