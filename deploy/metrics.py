@@ -144,7 +144,8 @@ def render_engine(stats: Sequence[ReplicaStats]) -> str:
 
 def render_router(stats: Mapping[str, float]) -> str:
     """The router actor's series (`RouterActor.stats`): decision latency quantiles, the size of
-    its tree, and each replica's share of routed prompt tokens it already held."""
+    its tree, and per replica the requests sent to it and the share of their prompt tokens it
+    already held."""
     name = "raydix_router_decision_latency_us"
     lines = [f"# HELP {name} time of one routing decision in the router actor",
              f"# TYPE {name} summary"]
@@ -153,11 +154,14 @@ def render_router(stats: Mapping[str, float]) -> str:
     name = "raydix_router_tree_tokens"
     lines += [f"# HELP {name} tokens in the router's global prefix tree", f"# TYPE {name} gauge",
               f"{name} {float(stats.get('tree_tokens', 0.0))}"]
-    name = "raydix_router_hit_rate"
-    lines += [f"# HELP {name} prompt tokens the chosen replica held / prompt tokens routed to it",
-              f"# TYPE {name} gauge"]
-    lines += [f'{name}{{replica="{_label(key.split(":", 1)[1])}"}} {float(value)}'
-              for key, value in sorted(stats.items()) if key.startswith("hit_rate:")]
+    for name, kind, key, help_text in (
+            ("raydix_router_hit_rate", "gauge", "hit_rate",
+             "prompt tokens the chosen replica held / prompt tokens routed to it"),
+            ("raydix_router_decisions_total", "counter", "decisions",
+             "requests the router actor sent to each replica")):
+        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
+        lines += [f'{name}{{replica="{_label(k.split(":", 1)[1])}"}} {float(value)}'
+                  for k, value in sorted(stats.items()) if k.startswith(f"{key}:")]
     return "\n".join(lines) + "\n"
 
 

@@ -173,7 +173,6 @@ class EngineServer:
 
         self.engine = AsyncEngine(engine, max_waiting_requests=settings.max_waiting_requests,
                                   on_error=engine_failed)
-        self.num_received = 0  # generate() calls, for the router's count of unseen requests
         self.node_id = str(ray.get_runtime_context().get_node_id())
         executor = engine.executor
         self.ranks_info = tuple(
@@ -190,7 +189,7 @@ class EngineServer:
                                           exact=events is not None,
                                           max_approx_tokens=settings.router_approx_tokens)
             reporter = ReplicaReporter(
-                router, self.replica_id, events.drain if events is not None else tuple, self._load,
+                router, self.replica_id, events.drain if events is not None else lambda: (), self._load,
                 publish_snapshot=self._publish_snapshot if events is not None else None)
             self._router_reporter = loop.create_task(reporter.run())
 
@@ -202,8 +201,7 @@ class EngineServer:
         """Read on the event loop while the loop thread steps: counters and sizes, no locks;
         a torn read is off by a step and the next report corrects it."""
         metrics = self.engine.engine.metrics()
-        return LoadReport(metrics.num_running, metrics.num_waiting, metrics.token_usage,
-                          self.num_received)
+        return LoadReport(metrics.num_running, metrics.num_waiting, metrics.token_usage)
 
     async def _report(self, board: DeploymentHandle, period_s: float) -> None:
         while True:
@@ -215,7 +213,6 @@ class EngineServer:
 
     async def generate(self, prompt_ids: Sequence[int], params: GenerationParams,
                        rid: str) -> AsyncIterator[list[RequestOutput]]:
-        self.num_received += 1
         async for outputs in self.engine.generate(prompt_ids, params, rid):
             yield outputs
 

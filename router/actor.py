@@ -45,8 +45,8 @@ class RouterActor:
         exact: bool = True,
         max_approx_tokens: int = 4_000_000,
     ) -> None:
-        self._settings = (page_size, policy or RoutingPolicyConfig(), exact, max_approx_tokens)
-        self.state = RouterState(page_size, policy, exact, max_approx_tokens)
+        self._settings: tuple[object, ...] = ()
+        self.configure(page_size, policy, exact, max_approx_tokens)
 
     def configure(
         self,
@@ -80,9 +80,9 @@ class RouterActor:
         return self.state.publish(replica, events)
 
     def report_load(
-        self, replica: str, num_running: int, num_waiting: int, kv_usage: float, num_received: int
+        self, replica: str, num_running: int, num_waiting: int, kv_usage: float
     ) -> None:
-        self.state.report_load(replica, num_running, num_waiting, kv_usage, num_received)
+        self.state.report_load(replica, num_running, num_waiting, kv_usage)
 
     def replica_ids(self) -> list[str]:
         """The replicas the router knows, in id order."""

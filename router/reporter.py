@@ -32,7 +32,6 @@ class LoadReport(NamedTuple):
     num_running: int
     num_waiting: int
     kv_usage: float
-    num_received: int  # requests this replica has been sent so far
 
 
 class ReplicaReporter:

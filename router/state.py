@@ -35,7 +35,6 @@ class ReplicaLoad:
     num_running: int = 0
     num_waiting: int = 0
     kv_usage: float = 0.0
-    num_received: int = 0  # requests the replica has seen, as of its last report
     num_unreported: int = 0  # requests routed to it since its last load report
     last_event_seq: int = -1
     needs_snapshot: bool = False  # its events stopped following on; see `RouterState.publish`
@@ -154,11 +153,10 @@ class RouterState:
         num_running: int,
         num_waiting: int,
         kv_usage: float,
-        num_received: int,
     ) -> None:
         state = self.replicas.get(replica)
         if state is None:
             return
         state.num_running, state.num_waiting = num_running, num_waiting
-        state.kv_usage, state.num_received = kv_usage, num_received
+        state.kv_usage = kv_usage
         state.num_unreported = 0

@@ -47,7 +47,7 @@ def test_reporter_feeds_events_and_load_to_the_router(ray_local: None) -> None:
     ray.get(router.set_replicas.remote(["r0", "r1"]))
     buffers = {r: EventBuffer() for r in ("r0", "r1")}
     caches = {r: RadixCache(event_sink=buffers[r]) for r in ("r0", "r1")}
-    loads = {"r0": LoadReport(0, 0, 0.0, 0), "r1": LoadReport(0, 0, 0.0, 0)}
+    loads = {"r0": LoadReport(0, 0, 0.0), "r1": LoadReport(0, 0, 0.0)}
     reporters = {
         r: ReplicaReporter(router, r, buffers[r].drain, lambda r=r: loads[r]) for r in buffers
     }
@@ -60,7 +60,7 @@ def test_reporter_feeds_events_and_load_to_the_router(ray_local: None) -> None:
     decision = ray.get(router.route.remote(list(range(50, 90)), None, ["r0", "r1"]))
     assert (decision.replica, decision.matched_len) == ("r0", 30)
     # r0 becomes overloaded: the next prompt with the same prefix goes to r1
-    loads["r0"] = LoadReport(60, 20, 0.9, 1)
+    loads["r0"] = LoadReport(60, 20, 0.9)
     reporters["r0"].report_once()
     decision = ray.get(router.route.remote(list(range(50, 90)), None, ["r0", "r1"]))
     assert decision.replica == "r1" and decision.reason == "balance"
@@ -83,7 +83,7 @@ def test_a_restarted_router_gets_the_replicas_cache_back(ray_local: None) -> Non
     async def snapshot() -> None:
         cache.publish_snapshot()
 
-    reporter = ReplicaReporter(router, "r0", buffer.drain, lambda: LoadReport(0, 0, 0.0, 0),
+    reporter = ReplicaReporter(router, "r0", buffer.drain, lambda: LoadReport(0, 0, 0.0),
                                publish_snapshot=snapshot, snapshot_interval_s=0.0)
 
     def report() -> None:

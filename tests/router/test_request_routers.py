@@ -46,6 +46,22 @@ class FakePending:
     args = ([5, 6, 7, 8], None)
 
 
+def route_twice(decision_timeout_s: float) -> tuple[list[list[str]], int]:
+    """Two requests through a fresh cache-aware router over replicas r0..r2: the first one's
+    ranks, and the number of requests routed by load instead of by the router actor."""
+
+    async def run() -> tuple[list[list[str]], int]:
+        router = CacheAwareRequestRouter(deployment_id=DEPLOYMENT,
+                                         handle_source=DeploymentHandleSource.UNKNOWN)
+        router.initialize_state(decision_timeout_s=decision_timeout_s)
+        replicas = [FakeReplica(u) for u in ("r0", "r1", "r2")]
+        chosen = ranks(await router.choose_replicas(replicas, FakePending()))  # type: ignore[arg-type]
+        await router.choose_replicas(replicas, FakePending())  # type: ignore[arg-type]
+        return chosen, router.num_fallbacks
+
+    return asyncio.run(run())
+
+
 def test_cache_aware_without_a_router_actor_routes_by_load(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -58,17 +74,7 @@ def test_cache_aware_without_a_router_actor_routes_by_load(
         raise ValueError(f"Failed to look up actor with name {name!r}")
 
     monkeypatch.setattr(ray, "get_actor", no_actor)
-
-    async def run() -> tuple[list[list[str]], int]:
-        router = CacheAwareRequestRouter(deployment_id=DEPLOYMENT,
-                                         handle_source=DeploymentHandleSource.UNKNOWN)
-        router.initialize_state(decision_timeout_s=0.01)
-        replicas = [FakeReplica(u) for u in ("r0", "r1", "r2")]
-        chosen = ranks(await router.choose_replicas(replicas, FakePending()))  # type: ignore[arg-type]
-        await router.choose_replicas(replicas, FakePending())  # type: ignore[arg-type]
-        return chosen, router.num_fallbacks
-
-    chosen, num_fallbacks = asyncio.run(run())
+    chosen, num_fallbacks = route_twice(decision_timeout_s=0.01)
     assert num_fallbacks == 2
     assert lookups == ["raydix-router-unit"]  # the second request did not look again
     assert len(chosen) == 1 and len(chosen[0]) == 2 and set(chosen[0]) <= {"r0", "r1", "r2"}
@@ -94,16 +100,7 @@ def test_cache_aware_offers_the_chosen_replica_first_then_the_others(
         route = FakeRoute()
 
     monkeypatch.setattr(ray, "get_actor", lambda name, namespace=None: FakeActor())
-
-    async def run() -> tuple[list[list[str]], int]:
-        router = CacheAwareRequestRouter(deployment_id=DEPLOYMENT,
-                                         handle_source=DeploymentHandleSource.UNKNOWN)
-        router.initialize_state(decision_timeout_s=1.0)
-        replicas = [FakeReplica(u) for u in ("r0", "r1", "r2")]
-        chosen = ranks(await router.choose_replicas(replicas, FakePending()))  # type: ignore[arg-type]
-        return chosen, router.num_fallbacks
-
-    chosen, num_fallbacks = asyncio.run(run())
+    chosen, num_fallbacks = route_twice(decision_timeout_s=1.0)
     assert num_fallbacks == 0
     assert chosen == [["r1"]] * HOLDER_TRIES + [["r0", "r2"]]
     assert HOLDER_TRIES >= 2

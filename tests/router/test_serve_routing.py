@@ -232,6 +232,9 @@ def test_shared_prefix_groups_stay_on_one_replica(cluster: Cluster) -> None:
     assert "raydix_router_decision_latency_us" in text
     hit_lines = [line for line in text.splitlines() if line.startswith("raydix_router_hit_rate{")]
     assert hit_lines and max(float(line.split()[-1]) for line in hit_lines) > 0.5
+    decided = [line for line in text.splitlines()
+               if line.startswith("raydix_router_decisions_total{")]
+    assert len(decided) == 3 and sum(float(line.split()[-1]) for line in decided) >= len(items)
 
 
 def test_a_burst_of_cold_requests_keeps_each_group_together(cluster: Cluster) -> None:

@@ -17,8 +17,8 @@ def test_routed_but_unreported_requests_count_as_load() -> None:
     chosen = [state.route(list(range(i * 10, i * 10 + 8))).replica for i in range(4)]
     assert sorted(chosen) == ["a", "a", "b", "b"]  # cold prompts alternate
     assert state.replicas["a"].load == 2  # nothing reported yet: the two routed to it
-    state.report_load("a", 1, 0, 0.1, num_received=2)
-    state.report_load("b", 30, 10, 0.9, num_received=2)
+    state.report_load("a", 1, 0, 0.1)
+    state.report_load("b", 30, 10, 0.9)
     assert state.route([999] * 8).replica == "a"
     assert state.replicas["a"].load == 2  # 1 running, as reported, and 1 routed since
 
@@ -30,10 +30,10 @@ def test_a_request_served_elsewhere_counts_only_until_the_next_report() -> None:
     state.set_replicas(["a", "b"])
     first = state.route([1] * 8).replica
     other = "b" if first == "a" else "a"
-    state.report_load(other, 1, 0, 0.1, num_received=1)  # the request ran on the other one
+    state.report_load(other, 1, 0, 0.1)  # the request ran on the other one
     assert state.replicas[first].load == 1
-    state.report_load(first, 0, 0, 0.0, num_received=0)  # its next report, unchanged
-    state.report_load(other, 0, 0, 0.0, num_received=1)  # the request finished
+    state.report_load(first, 0, 0, 0.0)  # its next report, unchanged
+    state.report_load(other, 0, 0, 0.0)  # the request finished
     assert state.replicas[first].load == 0 == state.replicas[other].load
 
 
@@ -130,7 +130,7 @@ def test_in_flight_records_expire_and_leave_with_their_replica() -> None:
     state.set_replicas(["a", "b"])
     first = state.route(PROMPT).replica
     other = "b" if first == "a" else "a"
-    state.report_load(first, 3, 0, 0.1, num_received=1)  # busier, but within the balance gap
+    state.report_load(first, 3, 0, 0.1)  # busier, but within the balance gap
     assert state.route(PROMPT).replica == first
     now[0] = 10.5  # the request never showed in the replica's events
     assert state.in_flight.match(np.asarray(PROMPT, dtype=np.int32)) == {}
