@@ -132,6 +132,16 @@ class AsyncEngine:
     def abort(self, rid: str) -> None:
         self._send(_Abort(rid))
 
+    def running_and_waiting(self) -> tuple[int, int]:
+        """Requests running, and waiting, as callers see them; read on the event loop.
+
+        Every request in flight that is not running counts as waiting, including those handed
+        to the loop thread that the engine has not taken yet: it takes them between steps, and
+        a step can last seconds on a CPU. The engine's own waiting list would miss them. A read
+        torn by a step in progress is off by that step; the next read corrects it."""
+        running = len(self.engine.scheduler.running)
+        return running, max(self.num_in_flight - running, 0)
+
     async def call(self, fn: Callable[[Engine], T]) -> T:
         """Run `fn(engine)` on the loop thread, between steps, and return its result."""
         self._check_alive()

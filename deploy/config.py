@@ -114,6 +114,10 @@ class AppConfig(BaseModel):
     balance_rel_threshold: float = Field(
         1.5, ge=1, description="cache_aware: and busiest / idlest load ratio above which too"
     )
+    saturated_kv_usage: float = Field(
+        0.9, gt=0, le=1, description="cache_aware: a replica with requests waiting and this "
+        "share of its KV pool held by running requests is full; the idlest one gets its hits"
+    )
     router_mode: Literal["exact", "approximate"] = Field(
         "exact",
         description="cache_aware: the router's tree follows the replicas' cache events (exact), "
@@ -192,7 +196,8 @@ def routing_policy(config: AppConfig) -> RoutingPolicyConfig | None:
         return None
     return RoutingPolicyConfig(cache_threshold=config.cache_threshold,
                                balance_abs_threshold=config.balance_abs_threshold,
-                               balance_rel_threshold=config.balance_rel_threshold)
+                               balance_rel_threshold=config.balance_rel_threshold,
+                               saturated_kv_usage=config.saturated_kv_usage)
 
 
 def engine_config(config: AppConfig, model_path: str, device: str) -> EngineConfig:

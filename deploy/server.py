@@ -199,9 +199,10 @@ class EngineServer:
 
     def _load(self) -> LoadReport:
         """Read on the event loop while the loop thread steps: counters and sizes, no locks;
-        a torn read is off by a step and the next report corrects it."""
-        metrics = self.engine.engine.metrics()
-        return LoadReport(metrics.num_running, metrics.num_waiting, metrics.token_usage)
+        a torn read is off by a step and the next report corrects it. Waiting includes the
+        requests not yet taken by the engine, which is busy with a step."""
+        running, waiting = self.engine.running_and_waiting()
+        return LoadReport(running, waiting, self.engine.engine.metrics().token_usage)
 
     async def _report(self, board: DeploymentHandle, period_s: float) -> None:
         while True:

@@ -105,7 +105,13 @@ class RouterState:
                 if length > matched.get(name, 0):
                     matched[name] = length
         loads = {name: self.replicas[name].load for name in names}
-        decision = self.policy.choose(names, len(tokens), matched, loads)
+        full = self.policy.config.saturated_kv_usage
+        saturated = [
+            name
+            for name in names
+            if self.replicas[name].num_waiting and self.replicas[name].kv_usage >= full
+        ]
+        decision = self.policy.choose(names, len(tokens), matched, loads, saturated)
         chosen = self.replicas[decision.replica]
         chosen.num_unreported += 1
         chosen.decisions += 1

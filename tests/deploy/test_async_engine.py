@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -109,6 +110,37 @@ def test_cancelled_consumer_aborts_and_frees_kv(async_engine: AsyncEngine) -> No
     assert (after_rows, protected) == (0, 0)
     assert async_engine.num_in_flight == 0
     assert not async_engine.engine.has_work
+
+
+def test_requests_queued_behind_a_step_count_as_waiting(tiny_llama: Path) -> None:
+    """The engine takes new requests between steps; until then they are waiting all the same
+    (the router's load is built from these counts, and a CPU step can last seconds)."""
+    engine = make_engine(tiny_llama)
+    in_step, release = threading.Event(), threading.Event()
+    step = engine.step
+
+    def slow_step() -> list[RequestOutput]:
+        in_step.set()
+        release.wait(30)
+        return step()
+
+    engine.step = slow_step  # type: ignore[method-assign]
+    async_engine = AsyncEngine(engine)
+
+    async def run() -> None:
+        first = asyncio.create_task(_tokens(async_engine, PROMPTS[0], "r0"))
+        await asyncio.get_running_loop().run_in_executor(None, in_step.wait, 30)
+        rest = [asyncio.create_task(_tokens(async_engine, p, f"r{i}"))
+                for i, p in enumerate(PROMPTS[1:], 1)]
+        await asyncio.sleep(0.1)  # the three are handed over; the step still holds the engine
+        assert len(engine.scheduler.waiting) == 1  # only r0 reached the engine
+        assert async_engine.running_and_waiting() == (0, 4)
+        release.set()
+        await asyncio.gather(first, *rest)
+        assert async_engine.running_and_waiting() == (0, 0)
+
+    asyncio.run(run())
+    async_engine.shutdown()
 
 
 def test_broken_step_fails_every_caller(tiny_llama: Path) -> None:

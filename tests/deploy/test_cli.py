@@ -42,9 +42,10 @@ def test_router_flags_pick_the_request_router() -> None:
     from raydix.router.serve_router import CacheAwareRequestRouter, RoundRobinRequestRouter
 
     config = parse("--cache-threshold", "0.7", "--balance-abs-threshold", "8",
-                   "--balance-rel-threshold", "2", "--router-decision-timeout-s", "0.2")
+                   "--balance-rel-threshold", "2", "--saturated-kv-usage", "0.8",
+                   "--router-decision-timeout-s", "0.2")
     assert config.router == "cache_aware"  # the default
-    assert routing_policy(config) == RoutingPolicyConfig(0.7, 8, 2.0)
+    assert routing_policy(config) == RoutingPolicyConfig(0.7, 8, 2.0, 0.8)
     options = request_router_options(config)["request_router_config"]
     assert options.get_request_router_class() is CacheAwareRequestRouter
     assert options.request_router_kwargs == {"decision_timeout_s": 0.2}
@@ -54,7 +55,7 @@ def test_router_flags_pick_the_request_router() -> None:
             is RoundRobinRequestRouter)
     assert request_router_options(parse("--router", "power_of_two")) == {}  # Serve's default
     for bad in (["--router", "random"], ["--cache-threshold", "1.5"],
-                ["--balance-rel-threshold", "0.5"]):
+                ["--balance-rel-threshold", "0.5"], ["--saturated-kv-usage", "0"]):
         with pytest.raises(ConfigError):
             parse(*bad)
 

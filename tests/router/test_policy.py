@@ -29,6 +29,41 @@ def test_imbalanced_load_overrides_affinity() -> None:
     assert policy.choose(REPLICAS, 64, tree.match(PROMPT), loads).replica == "r1"
 
 
+def test_only_the_holders_overload_moves_a_request() -> None:
+    """A holder with room keeps its hit though another replica is overloaded."""
+    tree = GlobalPrefixTree()
+    tree.insert("r1", PROMPT)
+    policy = CacheAwarePolicy(RoutingPolicyConfig(balance_abs_threshold=8, balance_rel_threshold=2))
+    loads = {"r0": 2, "r1": 3, "r2": 40}
+    assert policy.choose(REPLICAS, 64, tree.match(PROMPT), loads) == ("r1", 64, "cache")
+    assert policy.choose(REPLICAS, 64, tree.match(PROMPT), loads, saturated={"r2"}) == (
+        "r1",
+        64,
+        "cache",
+    )
+
+
+def test_a_saturated_holder_sends_its_hits_to_the_idlest() -> None:
+    """A holder whose pool is full of running requests, with requests waiting, cannot take
+    another in now: the idlest replica computes the prompt instead, whatever the thresholds."""
+    tree = GlobalPrefixTree()
+    tree.insert("r1", PROMPT)
+    loads = {"r0": 3, "r1": 9, "r2": 1}  # a gap far below the default thresholds
+    policy = CacheAwarePolicy()
+    assert policy.choose(REPLICAS, 64, tree.match(PROMPT), loads) == ("r1", 64, "cache")
+    assert policy.choose(REPLICAS, 64, tree.match(PROMPT), loads, saturated={"r1"}) == (
+        "r2",
+        0,
+        "balance",
+    )
+    # every replica is as full: the hit stays where it is cached
+    saturated = set(REPLICAS)
+    assert policy.choose(REPLICAS, 64, tree.match(PROMPT), loads, saturated) == ("r1", 64, "cache")
+    # a saturated holder that is also the idlest keeps it
+    idle = {"r0": 3, "r1": 1, "r2": 2}
+    assert policy.choose(REPLICAS, 64, tree.match(PROMPT), idle, {"r1"}) == ("r1", 64, "cache")
+
+
 def test_below_cache_threshold_goes_to_least_loaded() -> None:
     tree = GlobalPrefixTree()
     tree.insert("r1", PROMPT[:16])  # a quarter of the prompt

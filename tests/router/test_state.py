@@ -37,6 +37,24 @@ def test_a_request_served_elsewhere_counts_only_until_the_next_report() -> None:
     assert state.replicas[first].load == 0 == state.replicas[other].load
 
 
+def test_load_reports_mark_a_full_replica_saturated() -> None:
+    """Requests waiting and the pool at ``saturated_kv_usage`` (0.9) of running requests' tokens:
+    its hits go to the idlest replica until a report says it has room again."""
+    state = RouterState()
+    state.set_replicas(["a", "b"])
+    prompts = [[g] * 8 + PROMPT for g in range(3)]
+    for prompt in prompts:
+        state.tree.insert("a", prompt)
+    state.report_load("a", 5, 2, 0.95)
+    state.report_load("b", 3, 0, 0.4)
+    assert state.route(prompts[0]) == ("b", 0, "balance")
+    state.report_load("a", 5, 0, 0.95)  # full, but nothing waits: it admits as requests end
+    state.report_load("b", 3, 0, 0.4)
+    assert state.route(prompts[1]) == ("a", 72, "cache")
+    state.report_load("a", 5, 2, 0.85)  # requests wait, but the pool has room
+    assert state.route(prompts[2]) == ("a", 72, "cache")
+
+
 def test_exact_mode_follows_events_and_a_gap_resets_the_replica() -> None:
     state = RouterState(page_size=4)
     state.set_replicas(["a", "b"])
