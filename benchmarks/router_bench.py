@@ -16,7 +16,7 @@ cache hit rate (usage cached_tokens / prompt_tokens), output throughput, mean an
 first token; then cache_aware's ratios to the others. It starts a local Ray (or joins
 --address) and deploys each router's app in turn. `--quick` is a small smoke run for a laptop.
 
-Each replica's KV pool holds `--kv-tokens` tokens (default 6,144): its share of the running
+Each replica's KV pool holds `--kv-tokens` tokens (default 3,072): its share of the running
 requests plus about four of the sixteen 512-token prefixes, so the prefixes in use (8,192 tokens)
 are more than one replica holds and less than the four hold together. That is the regime a
 cache-aware router is for: round robin makes every replica cache every group, and they evict
@@ -250,7 +250,7 @@ def main() -> None:
     http.add_argument("--routers", nargs="+", choices=ROUTERS, default=list(ROUTERS))
     http.add_argument("--port", type=int, default=8123)
     http.add_argument("--address", help="join this Ray cluster (default: a local Ray)")
-    http.add_argument("--kv-tokens", type=int, default=6144,
+    http.add_argument("--kv-tokens", type=int, default=3072,
                       help="KV pool tokens per replica (see the module docstring)")
     http.add_argument("--plot", help="write a PNG of hit rate, throughput and p99 TTFT")
     http.add_argument("--json", help="write the results as JSON")

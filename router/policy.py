@@ -6,14 +6,20 @@ Given, for one prompt, how many of its tokens each replica holds and each replic
   longest match gets it (equal matches: the least loaded), unless that replica is overloaded;
 - otherwise, and when it is overloaded, the least loaded replica gets it.
 
-A holder is overloaded against the idlest replica in two ways:
+A holder is overloaded when its load exceeds ``balance_rel_threshold`` times the idlest
+replica's, and either
 
-- imbalance: its load exceeds the idlest's by more than ``balance_abs_threshold`` requests and by
-  more than ``balance_rel_threshold`` times;
-- saturation: it cannot take the request in now (it has requests waiting and its KV pool is at
-  least ``saturated_kv_usage`` full of running requests' tokens), and the idlest can. A request
-  sent there would queue behind its running ones, while the idlest computes the prefix at once.
-  This holds at any scale, where a fixed request gap suits only replicas of one size.
+- by more than ``balance_abs_threshold`` requests (imbalance), or
+- it is saturated and the idlest is not. Saturated: it has requests waiting and its KV pool is
+  at least ``saturated_kv_usage`` full of running requests' tokens, so a request sent there
+  queues behind its running ones, while the idlest computes the prompt at once. A fixed request
+  gap suits replicas of one size only; a full pool means the same at any scale.
+
+The relative gap is needed in both cases: when every replica is about as busy, moving a hit
+away only adds the prefix's computation to a busy cluster. Saturation still costs hit rate in
+a cluster held at capacity, where some replica is always briefly less busy: with a CPU's slow
+prefill, `benchmarks/router_bench.py` measures that cost; ``saturated_kv_usage=1`` all but
+turns the rule off.
 
 Only the chosen holder is compared: another replica's overload does not move a request away
 from a holder with room.
@@ -25,7 +31,7 @@ between (one holder, nothing to break) do not bring the next cold prompt back to
 
 from __future__ import annotations
 
-from collections.abc import Collection, Hashable, Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -52,6 +58,13 @@ class RoutingPolicyConfig:
             )
 
 
+class Fullness(NamedTuple):
+    """From a replica's last load report."""
+
+    num_waiting: int
+    kv_usage: float  # share of the KV pool held by running requests
+
+
 class RoutingDecision(NamedTuple):
     replica: ReplicaId
     matched_len: int  # tokens of the prompt the chosen replica holds
@@ -69,10 +82,9 @@ class CacheAwarePolicy:
         prompt_len: int,
         matched: Mapping[ReplicaId, int],
         loads: Mapping[ReplicaId, float],
-        saturated: Collection[ReplicaId] = (),
+        fullness: Mapping[ReplicaId, Fullness] | None = None,
     ) -> RoutingDecision:
-        """``saturated``: the replicas that have requests waiting with their KV pool at least
-        ``saturated_kv_usage`` full (``RouterState`` reads it from their load reports)."""
+        """``fullness``: per replica, from its load reports (none known: empty)."""
         if not replicas:
             raise ValueError("no replica to route to")
         load = {r: loads.get(r, 0.0) for r in replicas}
@@ -80,7 +92,7 @@ class CacheAwarePolicy:
         if prompt_len and best_len and best_len / prompt_len >= self.config.cache_threshold:
             holders = [r for r in replicas if matched.get(r, 0) == best_len]
             chosen = self._least_loaded(holders, load)
-            if not self._overloaded(chosen, load, saturated):
+            if not self._overloaded(chosen, load, fullness or {}):
                 return RoutingDecision(chosen, best_len, "cache")
             least = self._least_loaded(replicas, load)
             return RoutingDecision(least, matched.get(least, 0), "balance")
@@ -88,14 +100,25 @@ class CacheAwarePolicy:
         return RoutingDecision(least, matched.get(least, 0), "least_loaded")
 
     def _overloaded(
-        self, holder: ReplicaId, load: Mapping[ReplicaId, float], saturated: Collection[ReplicaId]
+        self,
+        holder: ReplicaId,
+        load: Mapping[ReplicaId, float],
+        fullness: Mapping[ReplicaId, Fullness],
     ) -> bool:
         cfg = self.config
         idlest = min(load, key=load.__getitem__)
-        gap = load[holder] - load[idlest]
-        if gap > cfg.balance_abs_threshold and load[holder] > load[idlest] * cfg.balance_rel_threshold:
+        if load[holder] <= load[idlest] * cfg.balance_rel_threshold:
+            return False
+        if load[holder] - load[idlest] > cfg.balance_abs_threshold:
             return True
-        return holder in saturated and idlest not in saturated and gap > 0
+        return self._saturated(fullness.get(holder)) and not self._saturated(fullness.get(idlest))
+
+    def _saturated(self, fullness: Fullness | None) -> bool:
+        return (
+            fullness is not None
+            and fullness.num_waiting > 0
+            and fullness.kv_usage >= self.config.saturated_kv_usage
+        )
 
     def _least_loaded(
         self, candidates: Sequence[ReplicaId], load: Mapping[ReplicaId, float]

@@ -24,7 +24,7 @@ import numpy.typing as npt
 from raydix.cache import CacheEvent, EventKind
 
 from .in_flight import InFlightPrefixes
-from .policy import CacheAwarePolicy, RoutingDecision, RoutingPolicyConfig
+from .policy import CacheAwarePolicy, Fullness, RoutingDecision, RoutingPolicyConfig
 from .tree import GlobalPrefixTree
 
 ReplicaId = Hashable
@@ -105,13 +105,11 @@ class RouterState:
                 if length > matched.get(name, 0):
                     matched[name] = length
         loads = {name: self.replicas[name].load for name in names}
-        full = self.policy.config.saturated_kv_usage
-        saturated = [
-            name
+        fullness = {
+            name: Fullness(self.replicas[name].num_waiting, self.replicas[name].kv_usage)
             for name in names
-            if self.replicas[name].num_waiting and self.replicas[name].kv_usage >= full
-        ]
-        decision = self.policy.choose(names, len(tokens), matched, loads, saturated)
+        }
+        decision = self.policy.choose(names, len(tokens), matched, loads, fullness)
         chosen = self.replicas[decision.replica]
         chosen.num_unreported += 1
         chosen.decisions += 1

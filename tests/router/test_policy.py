@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from raydix.cache import EventBuffer, RadixCache
-from raydix.router.policy import CacheAwarePolicy, RoutingPolicyConfig
+from raydix.router.policy import CacheAwarePolicy, Fullness, RoutingPolicyConfig
 from raydix.router.tree import GlobalPrefixTree
 
 REPLICAS = ["r0", "r1", "r2"]
 PROMPT = list(range(100, 164))  # 64 tokens
+FULL = Fullness(num_waiting=2, kv_usage=0.95)  # saturated at the default 0.9
+ROOM = Fullness(num_waiting=0, kv_usage=0.3)
 
 
 def test_prefix_held_by_one_replica_wins() -> None:
@@ -36,7 +38,8 @@ def test_only_the_holders_overload_moves_a_request() -> None:
     policy = CacheAwarePolicy(RoutingPolicyConfig(balance_abs_threshold=8, balance_rel_threshold=2))
     loads = {"r0": 2, "r1": 3, "r2": 40}
     assert policy.choose(REPLICAS, 64, tree.match(PROMPT), loads) == ("r1", 64, "cache")
-    assert policy.choose(REPLICAS, 64, tree.match(PROMPT), loads, saturated={"r2"}) == (
+    full = {"r0": ROOM, "r1": ROOM, "r2": FULL}
+    assert policy.choose(REPLICAS, 64, tree.match(PROMPT), loads, full) == (
         "r1",
         64,
         "cache",
@@ -51,17 +54,18 @@ def test_a_saturated_holder_sends_its_hits_to_the_idlest() -> None:
     loads = {"r0": 3, "r1": 9, "r2": 1}  # a gap far below the default thresholds
     policy = CacheAwarePolicy()
     assert policy.choose(REPLICAS, 64, tree.match(PROMPT), loads) == ("r1", 64, "cache")
-    assert policy.choose(REPLICAS, 64, tree.match(PROMPT), loads, saturated={"r1"}) == (
-        "r2",
-        0,
-        "balance",
-    )
+    full = {"r0": ROOM, "r1": FULL, "r2": ROOM}
+    assert policy.choose(REPLICAS, 64, tree.match(PROMPT), loads, full) == ("r2", 0, "balance")
+    # a full pool with nothing waiting, or requests waiting with room in the pool: not saturated
+    for fullness in (Fullness(0, 0.95), Fullness(3, 0.85)):
+        choice = policy.choose(REPLICAS, 64, tree.match(PROMPT), loads, {**full, "r1": fullness})
+        assert choice == ("r1", 64, "cache")
     # every replica is as full: the hit stays where it is cached
-    saturated = set(REPLICAS)
-    assert policy.choose(REPLICAS, 64, tree.match(PROMPT), loads, saturated) == ("r1", 64, "cache")
-    # a saturated holder that is also the idlest keeps it
-    idle = {"r0": 3, "r1": 1, "r2": 2}
-    assert policy.choose(REPLICAS, 64, tree.match(PROMPT), idle, {"r1"}) == ("r1", 64, "cache")
+    every = dict.fromkeys(REPLICAS, FULL)
+    assert policy.choose(REPLICAS, 64, tree.match(PROMPT), loads, every) == ("r1", 64, "cache")
+    # a saturated holder keeps it when the others are about as busy (9 <= 1.5 * 7)
+    busy = {"r0": 8, "r1": 9, "r2": 7}
+    assert policy.choose(REPLICAS, 64, tree.match(PROMPT), busy, full) == ("r1", 64, "cache")
 
 
 def test_below_cache_threshold_goes_to_least_loaded() -> None:
