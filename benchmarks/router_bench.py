@@ -69,7 +69,7 @@ def decision_latency(num_tokens: int, num_replicas: int, page_size: int, queries
     print(f"tree: {state.tree.num_tokens:,} tokens from {n:,} requests over {num_replicas} "
           f"replicas (built in {time.perf_counter() - start:.1f} s)")
     for i, name in enumerate(replicas):
-        state.report_load(name, i % 5, i % 3, 0.5, 0)
+        state.report_load(name, i % 5, i % 3, 0.95 if i % 4 == 0 else 0.5)  # some saturated
     lat = []
     in_flight: list[tuple[str, np.ndarray]] = []
     for i in range(queries):

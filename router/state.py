@@ -28,13 +28,14 @@ from .policy import CacheAwarePolicy, Fullness, RoutingDecision, RoutingPolicyCo
 from .tree import GlobalPrefixTree
 
 ReplicaId = Hashable
+NOT_FULL = Fullness(num_waiting=0, kv_usage=0.0)
 
 
 @dataclass
 class ReplicaLoad:
     num_running: int = 0
     num_waiting: int = 0
-    kv_usage: float = 0.0
+    fullness: Fullness = NOT_FULL  # waiting requests and KV usage, for the policy
     num_unreported: int = 0  # requests routed to it since its last load report
     last_event_seq: int = -1
     needs_snapshot: bool = False  # its events stopped following on; see `RouterState.publish`
@@ -105,10 +106,7 @@ class RouterState:
                 if length > matched.get(name, 0):
                     matched[name] = length
         loads = {name: self.replicas[name].load for name in names}
-        fullness = {
-            name: Fullness(self.replicas[name].num_waiting, self.replicas[name].kv_usage)
-            for name in names
-        }
+        fullness = {name: self.replicas[name].fullness for name in names}
         decision = self.policy.choose(names, len(tokens), matched, loads, fullness)
         chosen = self.replicas[decision.replica]
         chosen.num_unreported += 1
@@ -162,5 +160,5 @@ class RouterState:
         if state is None:
             return
         state.num_running, state.num_waiting = num_running, num_waiting
-        state.kv_usage = kv_usage
+        state.fullness = Fullness(num_waiting, kv_usage)
         state.num_unreported = 0
