@@ -6,6 +6,8 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+from tests.ray_start import init_ray
+
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 import pytest
@@ -23,7 +25,7 @@ pytestmark = pytest.mark.ray
 
 @pytest.fixture(scope="module")
 def ray_cluster() -> Iterator[None]:
-    ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, log_to_driver=False)
+    init_ray(num_cpus=2, num_gpus=2, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 

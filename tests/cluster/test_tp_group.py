@@ -13,6 +13,8 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from tests.ray_start import init_ray
+
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -38,7 +40,7 @@ MAX_TOTAL_TOKENS = 512
 
 @pytest.fixture(scope="module")
 def ray_cluster() -> Iterator[None]:
-    ray.init(num_cpus=2, num_gpus=NUM_GPUS, include_dashboard=False, log_to_driver=False)
+    init_ray(num_cpus=2, num_gpus=NUM_GPUS, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.ray_start import init_ray
+
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -49,7 +51,7 @@ def serve_cluster() -> Iterator[ServeCluster]:
     import ray
     from ray import serve
 
-    ray.init(num_cpus=2, num_gpus=NUM_FAKE_GPUS, include_dashboard=False, log_to_driver=False)
+    init_ray(num_cpus=2, num_gpus=NUM_FAKE_GPUS, include_dashboard=False, log_to_driver=False)
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:

@@ -6,6 +6,8 @@ import os
 import time
 from collections.abc import Iterator
 
+from tests.ray_start import init_ray
+
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 import pytest
@@ -19,7 +21,7 @@ pytestmark = pytest.mark.ray
 
 @pytest.fixture(scope="module")
 def ray_local() -> Iterator[None]:
-    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
+    init_ray(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 

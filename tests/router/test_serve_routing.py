@@ -18,6 +18,8 @@ from collections import Counter
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from tests.ray_start import init_ray
+
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -130,7 +132,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         raise RuntimeError("another Ray instance is running in this process")
     model = tiny_model(tmp_path_factory.mktemp("tiny-words"))
     # one logical CPU per replica (3, then 4): Ray's CPUs are only a count on this machine
-    ray.init(address="local", num_cpus=5, num_gpus=4, include_dashboard=False, log_to_driver=False)
+    init_ray(address="local", num_cpus=5, num_gpus=4, include_dashboard=False, log_to_driver=False)
     cloudpickle.register_pickle_by_value(sys.modules[__name__])  # replicas can't import tests
     try:
         port = _free_port()
