@@ -94,11 +94,12 @@ def _layer_faults(mode: str) -> list[int]:
 def test_freed_activations_are_reused_without_page_faults() -> None:
     assert keep_freed_memory()
     default, kept = _layer_faults("default"), _layer_faults("kept")
-    # The first round faults its fresh pages either way, and the heap may grow once more.
-    # glibc's defaults also unmap the freed blocks and map them again until its thresholds
-    # adapt; kept in the heap, they are reused, and after a few rounds nothing faults.
-    assert 2 * sum(kept[1:]) < sum(default[1:]), (kept, default)
-    assert sum(kept[4:]) < 1000, kept
+    # The first round faults its fresh pages either way, and the heap may grow once or twice
+    # more. Kept in the heap, the freed blocks are then reused: after a few rounds nothing
+    # faults. glibc's defaults trim and map them again; in some runs its thresholds adapt after
+    # three rounds, in most it faults about 12,000 pages every round for good (measured here).
+    assert sum(kept[4:]) < 1000, (kept, default)
+    assert sum(kept[1:]) <= sum(default[1:]), (kept, default)
 
 
 def test_decode_batch_splits_by_length_only_when_it_pays() -> None:
