@@ -34,8 +34,7 @@ NOT_FULL = Fullness(num_waiting=0, kv_usage=0.0)
 @dataclass
 class ReplicaLoad:
     num_running: int = 0
-    num_waiting: int = 0
-    fullness: Fullness = NOT_FULL  # waiting requests and KV usage, for the policy
+    fullness: Fullness = NOT_FULL  # waiting requests and KV usage, as last reported
     num_unreported: int = 0  # requests routed to it since its last load report
     last_event_seq: int = -1
     needs_snapshot: bool = False  # its events stopped following on; see `RouterState.publish`
@@ -45,7 +44,7 @@ class ReplicaLoad:
 
     @property
     def load(self) -> float:
-        return self.num_running + self.num_waiting + self.num_unreported
+        return self.num_running + self.fullness.num_waiting + self.num_unreported
 
 
 @dataclass
@@ -159,6 +158,6 @@ class RouterState:
         state = self.replicas.get(replica)
         if state is None:
             return
-        state.num_running, state.num_waiting = num_running, num_waiting
+        state.num_running = num_running
         state.fullness = Fullness(num_waiting, kv_usage)
         state.num_unreported = 0
