@@ -1,6 +1,8 @@
 """A minimal engine for the worker tests: plans greedy generation as `StepPlan`s.
 
-It allocates request rows and slots from counters (slot ids start after the padding page),
+It allocates request rows from a counter and slots page by page, the way the engine's paged
+allocator does (position p of a request sits at offset p % page_size of one of its pages; page 0 is
+the padding page),
 staggers arrivals so batches mix extend and decode requests, splits prompts into chunks, and lets a
 request reuse the prompt slots of an earlier one (prefix reuse through `TableWrite`).
 """
@@ -32,7 +34,7 @@ class GenRequest:
 
 def run_greedy(step: Callable[[StepPlan], StepResult | None], requests: list[GenRequest],
                page_size: int = 1) -> list[list[int]]:
-    next_slot = page_size
+    next_page = 1
     step_id = 0
     while any(len(r.output) < r.max_new_tokens for r in requests):
         batch, writes, active = [], [], []
@@ -55,8 +57,13 @@ def run_greedy(step: Callable[[StepPlan], StepResult | None], requests: list[Gen
                 new_ids = r.prompt[r.done_len: r.done_len + n]
             else:
                 new_ids = [r.output[-1]]
-            loc = list(range(next_slot, next_slot + len(new_ids)))
-            next_slot += len(new_ids)
+            loc: list[int] = []
+            for pos in range(r.done_len, r.done_len + len(new_ids)):
+                if pos % page_size == 0 or pos == r.reuse_len:  # a page of its own starts
+                    loc.append(next_page * page_size + pos % page_size)
+                    next_page += 1
+                else:
+                    loc.append((r.slots + loc)[-1] + 1)
             batch.append(ScheduledRequest(r.row_idx, r.done_len, new_ids, loc, GREEDY))
             active.append(r)
         plan = StepPlan.build(step_id, batch, writes)
@@ -72,13 +79,15 @@ def run_greedy(step: Callable[[StepPlan], StepResult | None], requests: list[Gen
     return [r.output for r in requests]
 
 
-def scenario(mode: str, prompts: list[list[int]], max_new_tokens: int) -> list[GenRequest]:
+def scenario(mode: str, prompts: list[list[int]], max_new_tokens: int,
+             page_size: int = 1) -> list[GenRequest]:
     """The three cases every model is checked on.
 
     whole:   all prompts in one extend each, arriving together, then batched decode;
     chunked: prompts in chunks of 3 tokens, staggered so extend chunks and decodes share batches;
     prefix:  request k > 0 arrives after request 0's prefill and reuses the slots of the prompt
-             prefix it shares with request 0 (the prompts are built to share one).
+             prefix it shares with request 0 (the prompts are built to share one), in whole
+             pages when `page_size` > 1, as the paged radix cache matches.
     """
     if mode == "whole":
         return [GenRequest(p, max_new_tokens) for p in prompts]
@@ -91,6 +100,8 @@ def scenario(mode: str, prompts: list[list[int]], max_new_tokens: int) -> list[G
             shared = 0
             while shared < min(len(p), len(prompts[0])) - 1 and p[shared] == prompts[0][shared]:
                 shared += 1
+            if page_size > 1:
+                shared -= shared % page_size
             reqs.append(GenRequest(p, max_new_tokens, arrival_step=1 + i, reuse_from=0,
                                    reuse_len=shared))
         return reqs

@@ -15,6 +15,8 @@ def make_backend(name: str, pool: KVPool, req_to_token: torch.Tensor, num_q_head
     if name == "torch":
         return TorchAttentionBackend(pool, req_to_token, num_q_heads, head_dim)
     if name == "flashinfer":
+        if req_to_token.device.type != "cuda":
+            raise ValueError("the flashinfer backend needs CUDA; use attention_backend='torch'")
         from .flashinfer_backend import FlashInferAttentionBackend
 
         return FlashInferAttentionBackend(pool, req_to_token, num_q_heads, head_dim)
