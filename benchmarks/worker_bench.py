@@ -5,6 +5,11 @@ CUDA (when available): decode at batch 1 and 32 with flashinfer + CUDA graphs, a
 the memory-bandwidth floor, (weight bytes + KV bytes read) / bandwidth.
 
     python benchmarks/worker_bench.py [--model FOLDER] [--decode-tokens 32] [--json out.json]
+    python benchmarks/worker_bench.py --skip-cpu --synthetic llama-1b   # the floor's ~1B model
+
+`--synthetic llama-1b` saves a randomly initialised Llama of TinyLlama-1.1B's shape (bf16) and
+measures that: decode speed depends on the shapes, not the weights, and no hub is reachable.
+`benchmarks/gpu_check.sh` runs every check that needs a CUDA machine.
 """
 
 from __future__ import annotations
@@ -22,6 +27,13 @@ from raydix.workers.config import WorkerConfig
 from raydix.workers.gguf_convert import default_model_folder
 from raydix.workers.runner import ModelRunner
 from raydix.workers.step import GREEDY, ScheduledRequest, StepPlan
+
+# shapes of randomly initialised models for the bandwidth floor (no hub needed)
+SYNTHETIC = {
+    "llama-1b": dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632,
+                     num_hidden_layers=22, num_attention_heads=32, num_key_value_heads=4,
+                     max_position_embeddings=2048, tie_word_embeddings=False),
+}
 
 # peak memory bandwidth (GB/s) by device name fragment, for the floor
 BANDWIDTH_GBS = {"H200": 4800.0, "H100": 3350.0, "A100": 2039.0, "L40": 864.0, "A10": 600.0}
@@ -127,9 +139,35 @@ def cpu_report(folder: Path, decode_tokens: int, prompt_len: int) -> list[dict[s
     return rows
 
 
+def synthetic_model(name: str, root: Path) -> Path:
+    """A random model of the named shape, saved once under `root` as bf16 safetensors."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    folder = root / f"synthetic-{name}"
+    if (folder / "config.json").exists():
+        return folder
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(LlamaConfig(**SYNTHETIC[name])).to(torch.bfloat16)
+    model.save_pretrained(folder, safe_serialization=True)
+    del model
+    return folder
+
+
+def decode_weight_bytes(runner: ModelRunner) -> int:
+    """Weight bytes one decode step reads: every parameter but the embedding table, of which
+    only the batch's rows are read (the LM head is its own tensor, tied or not)."""
+    return sum(p.nbytes for name, p in runner.model.named_parameters()
+               if name != "model.embed_tokens.weight")
+
+
 def cuda_report(folder: Path, decode_tokens: int, prompt_len: int,
                 bandwidth_gbs: float | None) -> list[dict[str, object]]:
+    from transformers import AutoModelForCausalLM
+
     name = torch.cuda.get_device_name()
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).to("cuda").eval()
     if bandwidth_gbs is None:
         bandwidth_gbs = next((v for k, v in BANDWIDTH_GBS.items() if k in name), None)
     rows = []
@@ -141,16 +179,20 @@ def cuda_report(folder: Path, decode_tokens: int, prompt_len: int,
         _, tok_s = bench_ours(runner, batch, prompt_len, decode_tokens,
                               runner.model_config.vocab_size)
         step_s = batch / tok_s
+        _, hf_tok_s = bench_hf(hf, batch, prompt_len, decode_tokens,
+                               runner.model_config.vocab_size, "cuda")
         mc = runner.model_config
         kv_bytes = (batch * (prompt_len + decode_tokens / 2) * mc.num_layers * 2
                     * mc.num_kv_heads * mc.head_dim * 2)
-        floor_s = (runner.weight_bytes + kv_bytes) / (bandwidth_gbs * 1e9) if bandwidth_gbs else None
+        floor_s = ((decode_weight_bytes(runner) + kv_bytes) / (bandwidth_gbs * 1e9)
+                   if bandwidth_gbs else None)
         frac = floor_s / step_s if floor_s else None
         rows.append({"device": name, "batch": batch, "ours_decode_tok_s": round(tok_s, 1),
-                     "step_ms": round(step_s * 1e3, 3),
+                     "hf_decode_tok_s": round(hf_tok_s, 1), "step_ms": round(step_s * 1e3, 3),
                      "floor_ms": round(floor_s * 1e3, 3) if floor_s else None,
                      "fraction_of_floor": round(frac, 3) if frac else None})
-        print(f"{name} batch {batch:2d}: decode {tok_s:9.1f} tok/s, step {step_s * 1e3:.3f} ms"
+        print(f"{name} batch {batch:2d}: decode {tok_s:9.1f} tok/s (transformers "
+              f"{hf_tok_s:9.1f}), step {step_s * 1e3:.3f} ms"
               + (f", floor {floor_s * 1e3:.3f} ms ({frac:.0%} of floor)" if frac else ""),
               flush=True)
         del runner
@@ -163,6 +205,10 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=Path, default=None,
                         help="model folder (default: SmolLM2-135M-Instruct, converted once)")
+    parser.add_argument("--synthetic", choices=sorted(SYNTHETIC), default=None,
+                        help="measure a random model of this shape instead (saved under "
+                             "--synthetic-root)")
+    parser.add_argument("--synthetic-root", type=Path, default=Path("/tmp/raydix-bench"))
     parser.add_argument("--decode-tokens", type=int, default=32)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--bandwidth-gbs", type=float, default=None,
@@ -174,7 +220,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    folder = args.model or default_model_folder()
+    if args.synthetic:
+        folder = synthetic_model(args.synthetic, args.synthetic_root)
+    else:
+        folder = args.model or default_model_folder()
     rows = []
     if not args.skip_cpu:
         rows += cpu_report(folder, args.decode_tokens, args.prompt_len)
