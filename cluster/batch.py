@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from raydix.workers.step import ScheduledRequest, StepPlan, TableWrite
+from raydix.workers.step import PenaltyStart, ScheduledRequest, StepPlan, TableWrite
 
 from .request import Request
 
@@ -19,11 +19,14 @@ class ScheduledBatch:
     requests: list[Request] = field(default_factory=list)
     extend_lens: list[int] = field(default_factory=list)
     slots: list[np.ndarray] = field(default_factory=list)
+    admitted: list[bool] = field(default_factory=list)  # took its request row this step
 
-    def add(self, req: Request, num_tokens: int, slots: np.ndarray) -> None:
+    def add(self, req: Request, num_tokens: int, slots: np.ndarray,
+            admitted: bool = False) -> None:
         self.requests.append(req)
         self.extend_lens.append(num_tokens)
         self.slots.append(slots)
+        self.admitted.append(admitted)
 
     @property
     def num_tokens(self) -> int:
@@ -38,9 +41,14 @@ class ScheduledBatch:
         )
 
     def to_plan(self, table_writes: list[TableWrite], freed_rows: list[int]) -> StepPlan:
-        scheduled = []
-        for req, num, slots in zip(self.requests, self.extend_lens, self.slots, strict=True):
+        scheduled, penalty_starts = [], []
+        for req, num, slots, admitted in zip(self.requests, self.extend_lens, self.slots,
+                                             self.admitted, strict=True):
             assert req.row is not None
+            if admitted and req.params.sampling.has_penalties:
+                penalty_starts.append(PenaltyStart(
+                    req.row, len(req.prompt_ids),
+                    req.token_slice(0, req.kv_len).astype(np.int64)))
             scheduled.append(
                 ScheduledRequest(
                     row_idx=req.row,
@@ -50,4 +58,4 @@ class ScheduledBatch:
                     sampling=req.params.sampling,
                 )
             )
-        return StepPlan.build(self.step_id, scheduled, table_writes, freed_rows)
+        return StepPlan.build(self.step_id, scheduled, table_writes, freed_rows, penalty_starts)

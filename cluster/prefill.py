@@ -93,7 +93,7 @@ def schedule_prefill(
         req.status = Status.RUNNING
         sched.waiting.remove(req)
         sched.running.append(req)
-        batch.add(req, num, slots)
+        batch.add(req, num, slots, admitted=True)
         budget -= num
         _note_in_flight(in_flight, req)
 

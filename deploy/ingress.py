@@ -222,7 +222,10 @@ class OpenAIIngress:
             raise bad_request("stop strings must not be empty", "stop")
         sampling = SamplingParams(temperature=body.temperature, top_k=body.top_k,
                                   top_p=body.top_p, min_p=body.min_p, seed=body.seed,
-                                  return_logprob=logprobs)
+                                  return_logprob=logprobs,
+                                  frequency_penalty=body.frequency_penalty,
+                                  presence_penalty=body.presence_penalty,
+                                  repetition_penalty=body.repetition_penalty)
         return GenerationParams(sampling=sampling, max_new_tokens=max_tokens,
                                 stop_strings=tuple(stop), ignore_eos=body.ignore_eos)
 

@@ -22,6 +22,15 @@ class _SamplingFields(_Body):
     top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling mass")
     top_k: int = Field(-1, description="sample among the k likeliest tokens; <= 0: off")
     min_p: float = Field(0.0, ge=0, le=1, description="drop tokens below min_p x the top one")
+    frequency_penalty: float = Field(
+        0.0, ge=-2, le=2, description="minus this x the times a token is in the output"
+    )
+    presence_penalty: float = Field(
+        0.0, ge=-2, le=2, description="minus this for a token already in the output"
+    )
+    repetition_penalty: float = Field(
+        1.0, gt=0, description="scales down tokens of the prompt and output (1: off)"
+    )
     stop: str | list[str] | None = Field(None, description="stop strings (not in the output)")
     seed: int | None = Field(None, description="same seed, same prompt: same tokens")
     n: int = Field(1, ge=1, le=16, description="choices per prompt")

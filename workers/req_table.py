@@ -27,6 +27,7 @@ class RequestTable:
         """Raise ValueError if the plan points outside the table or the pool (host-side only)."""
         max_rows, max_len = self.table.shape
         _check_rows(plan.freed_rows, max_rows)
+        _check_rows([s.row_idx for s in plan.penalty_starts], max_rows)
         for w in plan.table_writes:
             _check_rows([w.row_idx], max_rows)
             if w.start < 0 or w.start + len(w.slot_ids) > max_len:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import TYPE_CHECKING
 
@@ -15,6 +16,7 @@ from .kv_pool import KVPool, KVPoolConfig
 from .layers.packed import pack_linear_layers, packing_supported
 from .loader import load_model
 from .parallel import SINGLE_RANK, TPGroup, all_gather_ints, all_reduce_min, head_shard
+from .penalties import PenaltyTracker
 from .pool_sizing import kv_cell_size, profile_max_num_tokens
 from .req_table import RequestTable, to_device
 from .sampler import Sampler
@@ -70,6 +72,7 @@ class ModelRunner:
             config.attention_backend, self.kv_pool, self.req_to_token, heads.num_q_heads,
             mc.head_dim)
         self.sampler = Sampler(self.device)
+        self.penalties = PenaltyTracker(mc.vocab_size, self.device)  # driving rank only
         self.graph_runner: CudaGraphRunner | None = None
         if config.cuda_graph:
             self.graph_runner = self._capture_graphs()
@@ -113,12 +116,19 @@ class ModelRunner:
         if plan.batch_size == 0:
             self.table.check(plan)
             self.table.apply(plan)
-            return self._empty_result(plan) if self.config.tp_rank == 0 else None
+            if self.config.tp_rank != 0:
+                return None
+            self.penalties.update(plan)
+            return self._empty_result(plan)
         logits = self.forward(plan)
         if self.config.tp_rank != 0:
             return None
+        self.penalties.update(plan)
         seq_lens = plan.prefix_lens.astype(np.int64) + plan.extend_lens
-        out = self.sampler.sample(logits, plan.sampling, seq_lens)
+        adjust = None
+        if self.penalties.num_tracked:
+            adjust = functools.partial(self.penalties.apply, plan=plan)
+        out = self.sampler.sample(logits, plan.sampling, seq_lens, adjust)
         packed = out.token_ids.double()[None]
         if out.logprobs is not None:
             packed = torch.cat([packed, out.logprobs.double()[None]])

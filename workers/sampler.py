@@ -8,7 +8,7 @@ whatever else is in the batch. Greedy batches take a fast path (one argmax).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -31,20 +31,23 @@ class Sampler:
         self._generator = torch.Generator(device=self.device).manual_seed(seed)
 
     def sample(self, logits: torch.Tensor, params: Sequence[SamplingParams],
-               positions: np.ndarray) -> SampleOutput:
+               positions: np.ndarray,
+               adjust: Callable[[torch.Tensor], torch.Tensor] | None = None) -> SampleOutput:
         """logits: [B, V]; `positions[i]` is the position the sampled token will take (the
-        request's seq_len), used to derive seeded noise."""
+        request's seq_len), used to derive seeded noise. `adjust` (the penalties) maps the
+        float32 logits to those sampled from; logprobs stay those of the raw logits."""
         if logits.shape[0] != len(params) or len(positions) != len(params):
             raise ValueError(f"{logits.shape[0]} logit rows, {len(params)} sampling params and "
                              f"{len(positions)} positions must agree")
-        logits = logits.float()
+        raw = logits.float()
+        logits = adjust(raw) if adjust is not None else raw
         if all(p.is_greedy for p in params):
             token_ids = logits.argmax(dim=-1)
         else:
             token_ids = self._sample_random(logits, params, positions)
         logprobs = None
         if any(p.return_logprob for p in params):
-            logprobs = torch.log_softmax(logits, dim=-1).gather(1, token_ids[:, None]).squeeze(1)
+            logprobs = torch.log_softmax(raw, dim=-1).gather(1, token_ids[:, None]).squeeze(1)
         return SampleOutput(token_ids, logprobs)
 
     def _sample_random(self, logits: torch.Tensor, params: Sequence[SamplingParams],

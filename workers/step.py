@@ -7,6 +7,9 @@ what changed:
 - `table_writes`: slots to copy into the rank's own request->token table, e.g. a new request's
   cached prefix slots from the radix tree (row, start position, slots);
 - `freed_rows`: rows of finished requests (the rank points them back at the padding slot);
+- `penalty_starts`: for a request with repetition, frequency or presence penalties, when it
+  takes a request row: its prompt length and the tokens of its cached prefix, which no step
+  carries (penalties.py rebuilds each such request's tokens from there);
 - the batch itself, packed in request order: row, prefix length and new token ids per request,
   and the slot (`out_cache_loc`) for each new token. The worker writes these slots into the table
   at positions prefix_len .. prefix_len + extend_len - 1 before the forward, so the engine does
@@ -40,6 +43,12 @@ class SamplingParams:
     seed: int | None = None  # same seed + same prompt -> same tokens
     stop_token_ids: tuple[int, ...] = ()
     return_logprob: bool = False  # logprob of the chosen token under the raw distribution
+    # OpenAI's: logits -= frequency * count + presence * (count > 0), counts over the output
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    # transformers' and vLLM's: over prompt and output tokens, logits > 0 are divided by it and
+    # the others multiplied
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -48,10 +57,20 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not self.repetition_penalty > 0.0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return bool(self.frequency_penalty or self.presence_penalty
+                    or self.repetition_penalty != 1.0)
 
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -64,6 +83,16 @@ class TableWrite:
     row_idx: int
     start: int
     slot_ids: np.ndarray  # int32
+
+
+@dataclass(frozen=True)
+class PenaltyStart:
+    """A penalised request took request row `row_idx`: tokens at positions >= `prompt_len` are
+    its output; `prefix_ids` are its tokens before this step's new ones (the cached prefix)."""
+
+    row_idx: int
+    prompt_len: int
+    prefix_ids: np.ndarray  # int64
 
 
 @dataclass(frozen=True)
@@ -94,6 +123,7 @@ class StepPlan:
     sampling: tuple[SamplingParams, ...]  # [B]
     table_writes: tuple[TableWrite, ...] = ()
     freed_rows: tuple[int, ...] = ()
+    penalty_starts: tuple[PenaltyStart, ...] = ()
     shutdown: bool = False  # tells follower ranks to leave their loop
 
     def __post_init__(self) -> None:
@@ -117,7 +147,8 @@ class StepPlan:
     @classmethod
     def build(cls, step_id: int, requests: Sequence[ScheduledRequest],
               table_writes: Sequence[TableWrite] = (),
-              freed_rows: Sequence[int] = ()) -> StepPlan:
+              freed_rows: Sequence[int] = (),
+              penalty_starts: Sequence[PenaltyStart] = ()) -> StepPlan:
         for r in requests:
             if len(r.input_ids) != len(r.out_cache_loc):
                 raise ValueError(f"request row {r.row_idx}: {len(r.input_ids)} new tokens but "
@@ -135,6 +166,7 @@ class StepPlan:
             sampling=tuple(r.sampling for r in requests),
             table_writes=tuple(table_writes),
             freed_rows=tuple(freed_rows),
+            penalty_starts=tuple(penalty_starts),
         )
 
     @classmethod

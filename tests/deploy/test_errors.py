@@ -82,6 +82,9 @@ BAD_FIELDS = [
     ({**GOOD, "prompt": []}, "prompt"),
     ({**GOOD, "n": 0}, "n"),
     ({**GOOD, "stop": [""]}, "stop"),
+    ({**GOOD, "frequency_penalty": 2.5}, "frequency_penalty"),
+    ({**GOOD, "presence_penalty": -3}, "presence_penalty"),
+    ({**GOOD, "repetition_penalty": 0}, "repetition_penalty"),
     ({**GOOD, "frobnicate": True}, "frobnicate"),
 ]
 

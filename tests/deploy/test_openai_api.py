@@ -13,6 +13,7 @@ from transformers import AutoTokenizer
 from raydix.cluster.engine import Engine
 from raydix.cluster.request import GenerationParams
 from raydix.deploy.config import AppConfig, engine_config
+from raydix.workers.step import SamplingParams
 
 from .conftest import MODEL_NAME, ServeCluster
 
@@ -67,6 +68,19 @@ def test_completion_equals_engine_greedy(client: openai.OpenAI, engine: Engine) 
     assert out.usage.prompt_tokens == len(ids)
     assert out.usage.completion_tokens == len(expected)
     assert out.choices[0].finish_reason in ("length", "stop")
+
+
+def test_penalties_equal_the_engines(client: openai.OpenAI, engine: Engine) -> None:
+    penalties = dict(frequency_penalty=1.0, presence_penalty=0.5, repetition_penalty=1.2)
+    out = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=32,
+                                    temperature=0, frequency_penalty=1.0, presence_penalty=0.5,
+                                    extra_body={"repetition_penalty": 1.2})
+    ids = engine.tokenizer.encode(PROMPT)  # type: ignore[union-attr]
+    sampling = SamplingParams(temperature=0.0, **penalties)
+    expected, plain = engine.generate([ids, ids], [GenerationParams(sampling, 32),
+                                                   GenerationParams(max_new_tokens=32)])
+    assert expected != plain
+    assert out.choices[0].text == engine.tokenizer.decode(expected, skip_special_tokens=True)  # type: ignore[union-attr]
 
 
 def test_completion_stream_equals_whole(client: openai.OpenAI) -> None:

@@ -14,6 +14,7 @@ from raydix.workers.pool_sizing import kv_cell_size, profile_max_num_tokens
 from raydix.workers.runner import ModelRunner
 from raydix.workers.step import (
     GREEDY,
+    PenaltyStart,
     SamplingParams,
     ScheduledRequest,
     StepPlan,
@@ -105,6 +106,12 @@ def test_bounds_are_checked(runner: ModelRunner) -> None:
         runner.step(_plan(0, [ScheduledRequest(0, 64, [1], [4])]))
     with pytest.raises(ValueError, match="outside max_context_len"):
         runner.step(_plan(0, [], table_writes=[TableWrite(0, 62, np.arange(4, 8, dtype=np.int32))]))
+    with pytest.raises(ValueError, match="request rows"):
+        runner.step(StepPlan.build(0, [], penalty_starts=[PenaltyStart(9, 3, np.arange(2))]))
+    with pytest.raises(ValueError, match="repetition_penalty must be > 0"):
+        SamplingParams(repetition_penalty=0.0)
+    with pytest.raises(ValueError, match="frequency_penalty must be in"):
+        SamplingParams(frequency_penalty=-2.5)
 
 
 def test_plan_validation_and_pickling() -> None:
