@@ -72,6 +72,8 @@ class RequestOutput(NamedTuple):
     finish_reason: FinishReason | None
     usage: Usage
     logprobs: tuple[float, ...] = ()
+    # per new token, the likeliest tokens as (token id, logprob), likeliest first
+    top_logprobs: tuple[tuple[tuple[int, float], ...], ...] = ()
 
     @property
     def finished(self) -> bool:

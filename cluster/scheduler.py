@@ -215,9 +215,15 @@ class Scheduler:
         token = int(result.next_token_ids[i])
         req.output_ids.append(token)
         self.stats.num_generated_tokens += 1
+        sampling = req.params.sampling
         logprobs: tuple[float, ...] = ()
-        if result.logprobs is not None and req.params.sampling.return_logprob:
+        top: tuple[tuple[tuple[int, float], ...], ...] = ()
+        if result.logprobs is not None and sampling.return_logprob:
             logprobs = (float(result.logprobs[i]),)
+        if result.top_ids is not None and result.top_logprobs is not None and sampling.top_logprobs:
+            k = sampling.top_logprobs
+            top = (tuple(zip(result.top_ids[i, :k].tolist(),
+                             result.top_logprobs[i, :k].tolist(), strict=True)),)
         text, stop_hit = req.detokenizer.add(token)
         reason = None
         if (
@@ -229,11 +235,12 @@ class Scheduler:
         elif req.remaining_new_tokens <= 0 or req.fill_len >= self.config.max_context_len:
             reason = FinishReason.LENGTH
         if reason is None:
-            return RequestOutput(req.rid, (token,), text, None, req.usage(), logprobs)
+            return RequestOutput(req.rid, (token,), text, None, req.usage(), logprobs, top)
         self._release(req, cache=True)
         self.running.remove(req)
         final = self._finish(req, reason)
-        return final._replace(new_token_ids=(token,), text=text + final.text, logprobs=logprobs)
+        return final._replace(new_token_ids=(token,), text=text + final.text, logprobs=logprobs,
+                              top_logprobs=top)
 
     def _finish(self, req: Request, reason: FinishReason) -> RequestOutput:
         req.status = Status.FINISHED

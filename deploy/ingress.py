@@ -162,7 +162,7 @@ class OpenAIIngress:
         prompts = self._completion_prompts(body.prompt)
         max_tokens = body.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS
         params = self._params(body, prompts, max_tokens, ("prompt", "max_tokens"),
-                              body.logprobs is not None)
+                              body.logprobs is not None, body.logprobs or 0)
         return await self._generate("cmpl", body, prompts, params, chat=False)
 
     async def _chat_completions(self, request: Request) -> Response:
@@ -174,8 +174,10 @@ class OpenAIIngress:
         if max_tokens is None:
             max_tokens = max(self.max_context_len - len(prompt), 1)
         limit_field = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+        if body.top_logprobs and not body.logprobs:
+            raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
         params = self._params(body, [prompt], max_tokens, ("messages", limit_field),
-                              body.logprobs)
+                              body.logprobs, body.top_logprobs or 0)
         return await self._generate("chatcmpl", body, [prompt], params, chat=True)
 
     # ------------------------------------------------------------------------- pipeline
@@ -202,7 +204,7 @@ class OpenAIIngress:
 
     def _params(self, body: CompletionRequest | ChatCompletionRequest,
                 prompts: list[list[int]], max_tokens: int, fields: tuple[str, str],
-                logprobs: bool) -> GenerationParams:
+                logprobs: bool, top_logprobs: int) -> GenerationParams:
         """Check the context limit (`fields`: the names of the prompt and of the output
         limit, for the error) and build the engine's parameters."""
         prompt_field, limit_field = fields
@@ -222,7 +224,7 @@ class OpenAIIngress:
             raise bad_request("stop strings must not be empty", "stop")
         sampling = SamplingParams(temperature=body.temperature, top_k=body.top_k,
                                   top_p=body.top_p, min_p=body.min_p, seed=body.seed,
-                                  return_logprob=logprobs,
+                                  return_logprob=logprobs, top_logprobs=top_logprobs,
                                   frequency_penalty=body.frequency_penalty,
                                   presence_penalty=body.presence_penalty,
                                   repetition_penalty=body.repetition_penalty)

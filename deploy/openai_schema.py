@@ -45,7 +45,8 @@ class CompletionRequest(_SamplingFields):
         description="a text, a list of texts, or one prompt as token ids"
     )
     logprobs: int | None = Field(
-        None, ge=0, le=5, description="return the sampled tokens' logprobs"
+        None, ge=0, le=5,
+        description="return the sampled tokens' logprobs and the likeliest this many per position"
     )
     echo: Literal[False] = Field(False, description="not supported: must be false")
 
@@ -60,7 +61,9 @@ class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(description="the conversation so far")
     max_completion_tokens: int | None = Field(None, gt=0, description="alias of max_tokens")
     logprobs: bool = Field(False, description="return the sampled tokens' logprobs")
-    top_logprobs: int | None = Field(None, ge=0, le=20, description="only 0 or 1 are filled")
+    top_logprobs: int | None = Field(
+        None, ge=0, le=20, description="the likeliest this many tokens per position (logprobs on)"
+    )
 
 
 # ------------------------------------------------------------------------------- responses

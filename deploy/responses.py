@@ -28,6 +28,7 @@ from .openai_schema import (
 
 Events = AsyncIterator[tuple[int, RequestOutput]]
 TokenText = Callable[[int], str]  # one token id as text
+Top = tuple[tuple[int, float], ...]  # one position's likeliest tokens: (token id, logprob)
 
 
 @dataclass
@@ -35,6 +36,7 @@ class ChoiceResult:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[Top] = field(default_factory=list)
     finish_reason: str | None = None
     usage: Usage | None = None
 
@@ -42,6 +44,7 @@ class ChoiceResult:
         self.text += out.text
         self.token_ids += out.new_token_ids
         self.logprobs += out.logprobs
+        self.top_logprobs += out.top_logprobs
         self.usage = out.usage
         if out.finish_reason is not None:
             self.finish_reason = out.finish_reason.value
@@ -73,7 +76,9 @@ def usage_info(results: list[ChoiceResult], n: int) -> UsageInfo:
 
 
 def _completion_logprobs(head: ResponseHead, token_ids: list[int], logprobs: list[float],
-                         offset: int) -> CompletionLogprobs | None:
+                         tops: list[Top], offset: int) -> CompletionLogprobs | None:
+    """`logprobs=N`: each position's N likeliest tokens, and the sampled one (as OpenAI's legacy
+    API and vLLM); with N = 0 the sampled one alone."""
     if not head.want_logprobs:
         return None
     tokens = [head.token_text(t) for t in token_ids]
@@ -81,22 +86,31 @@ def _completion_logprobs(head: ResponseHead, token_ids: list[int], logprobs: lis
     for tok in tokens:
         offsets.append(offset)
         offset += len(tok)
+    top_dicts = []
+    for i, (tok, lp) in enumerate(zip(tokens, logprobs, strict=True)):
+        alternatives = {}
+        for t, alt_lp in (tops[i] if i < len(tops) else ()):
+            alternatives.setdefault(head.token_text(t), alt_lp)
+        alternatives.setdefault(tok, lp)
+        top_dicts.append(alternatives)
     return CompletionLogprobs(tokens=tokens, token_logprobs=list(logprobs),
-                              top_logprobs=[{t: lp} for t, lp in zip(tokens, logprobs,
-                                                                      strict=True)],
-                              text_offset=offsets)
+                              top_logprobs=top_dicts, text_offset=offsets)
 
 
-def _chat_logprobs(head: ResponseHead, token_ids: list[int],
-                   logprobs: list[float]) -> ChatLogprobs | None:
+def _token_logprob(text: str, logprob: float) -> TokenLogprob:
+    return TokenLogprob(token=text, logprob=logprob, bytes=list(text.encode()))
+
+
+def _chat_logprobs(head: ResponseHead, token_ids: list[int], logprobs: list[float],
+                   tops: list[Top]) -> ChatLogprobs | None:
     if not head.want_logprobs:
         return None
     content = []
-    for t, lp in zip(token_ids, logprobs, strict=True):
-        text = head.token_text(t)
-        content.append(TokenLogprob(token=text, logprob=lp, bytes=list(text.encode()),
-                                    top_logprobs=[TokenLogprob(token=text, logprob=lp,
-                                                               bytes=list(text.encode()))]))
+    for i, (t, lp) in enumerate(zip(token_ids, logprobs, strict=True)):
+        entry = _token_logprob(head.token_text(t), lp)
+        entry.top_logprobs = [_token_logprob(head.token_text(alt), alt_lp)
+                              for alt, alt_lp in (tops[i] if i < len(tops) else ())]
+        content.append(entry)
     return ChatLogprobs(content=content)
 
 
@@ -109,7 +123,8 @@ async def collect(events: Events, num_choices: int) -> list[ChoiceResult]:
 
 def completion_response(head: ResponseHead, results: list[ChoiceResult]) -> CompletionResponse:
     choices = [CompletionChoice(index=i, text=r.text, finish_reason=r.finish_reason,
-                                logprobs=_completion_logprobs(head, r.token_ids, r.logprobs, 0))
+                                logprobs=_completion_logprobs(head, r.token_ids, r.logprobs,
+                                                              r.top_logprobs, 0))
                for i, r in enumerate(results)]
     return CompletionResponse(id=head.id, created=head.created, model=head.model,
                               choices=choices, usage=usage_info(results, head.n))
@@ -118,7 +133,7 @@ def completion_response(head: ResponseHead, results: list[ChoiceResult]) -> Comp
 def chat_response(head: ResponseHead, results: list[ChoiceResult]) -> ChatCompletionResponse:
     choices = [ChatChoice(index=i, message=ChatResponseMessage(content=r.text),
                           finish_reason=r.finish_reason,
-                          logprobs=_chat_logprobs(head, r.token_ids, r.logprobs))
+                          logprobs=_chat_logprobs(head, r.token_ids, r.logprobs, r.top_logprobs))
                for i, r in enumerate(results)]
     return ChatCompletionResponse(id=head.id, created=head.created, model=head.model,
                                   choices=choices, usage=usage_info(results, head.n))
@@ -140,7 +155,7 @@ async def completion_sse(head: ResponseHead, events: Events, num_choices: int,
             index=i, text=out.text,
             finish_reason=out.finish_reason.value if out.finish_reason else None,
             logprobs=_completion_logprobs(head, list(out.new_token_ids), list(out.logprobs),
-                                          offset))
+                                          list(out.top_logprobs), offset))
         yield _sse(CompletionResponse(id=head.id, created=head.created, model=head.model,
                                       choices=[choice]))
     if include_usage:
@@ -165,7 +180,8 @@ async def chat_sse(head: ResponseHead, events: Events, num_choices: int,
         yield chunk([ChatChunkChoice(
             index=i, delta=ChatDelta(content=out.text),
             finish_reason=out.finish_reason.value if out.finish_reason else None,
-            logprobs=_chat_logprobs(head, list(out.new_token_ids), list(out.logprobs)))])
+            logprobs=_chat_logprobs(head, list(out.new_token_ids), list(out.logprobs),
+                                    list(out.top_logprobs)))])
     if include_usage:
         yield chunk([], usage_info(results, head.n))
     yield "data: [DONE]\n\n"

@@ -129,18 +129,24 @@ class ModelRunner:
         if self.penalties.num_tracked:
             adjust = functools.partial(self.penalties.apply, plan=plan)
         out = self.sampler.sample(logits, plan.sampling, seq_lens, adjust)
-        packed = out.token_ids.double()[None]
+        rows = [out.token_ids.double()[None]]  # token ids are exact in float64
         if out.logprobs is not None:
-            packed = torch.cat([packed, out.logprobs.double()[None]])
-        host = packed.cpu().numpy()  # the step's one device->host copy
+            rows.append(out.logprobs.double()[None])
+        if out.top is not None:
+            rows += [out.top[0].double().T, out.top[1].double().T]
+        host = torch.cat(rows).cpu().numpy()  # the step's one device->host copy
         token_ids = host[0].astype(np.int64)
-        logprobs = None
+        logprobs = top_ids = top_logprobs = None
         if out.logprobs is not None:
-            asked = np.array([p.return_logprob for p in plan.sampling])
+            asked = np.array([p.return_logprob or p.top_logprobs > 0 for p in plan.sampling])
             logprobs = np.where(asked, host[1], np.nan).astype(np.float32)
+        if out.top is not None:
+            k = out.top[0].shape[1]
+            top_logprobs = host[2: 2 + k].T.astype(np.float32)
+            top_ids = host[2 + k: 2 + 2 * k].T.astype(np.int64)
         stopped = np.array([int(t) in p.stop_token_ids for t, p in zip(token_ids, plan.sampling,
                                                                         strict=True)], dtype=bool)
-        return StepResult(plan.step_id, token_ids, logprobs, stopped)
+        return StepResult(plan.step_id, token_ids, logprobs, stopped, top_ids, top_logprobs)
 
     @torch.inference_mode()
     def forward(self, plan: StepPlan) -> torch.Tensor:

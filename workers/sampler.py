@@ -23,6 +23,8 @@ _SEED_MASK = (1 << 63) - 1
 class SampleOutput(NamedTuple):
     token_ids: torch.Tensor  # [B] int64, on the device
     logprobs: torch.Tensor | None  # [B] float32 on the device, None when nobody asked
+    # ([B, K] logprobs, [B, K] token ids) of the likeliest tokens, K the most asked; or None
+    top: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class Sampler:
@@ -45,10 +47,15 @@ class Sampler:
             token_ids = logits.argmax(dim=-1)
         else:
             token_ids = self._sample_random(logits, params, positions)
-        logprobs = None
-        if any(p.return_logprob for p in params):
-            logprobs = torch.log_softmax(raw, dim=-1).gather(1, token_ids[:, None]).squeeze(1)
-        return SampleOutput(token_ids, logprobs)
+        logprobs = top = None
+        num_top = max(p.top_logprobs for p in params)
+        if num_top or any(p.return_logprob for p in params):
+            log_probs = torch.log_softmax(raw, dim=-1)
+            logprobs = log_probs.gather(1, token_ids[:, None]).squeeze(1)
+            if num_top:
+                values, ids = log_probs.topk(num_top, dim=-1)
+                top = (values, ids)
+        return SampleOutput(token_ids, logprobs, top)
 
     def _sample_random(self, logits: torch.Tensor, params: Sequence[SamplingParams],
                        positions: np.ndarray) -> torch.Tensor:

@@ -31,6 +31,8 @@ import torch.distributed as dist
 
 from .parallel import TPGroup
 
+MAX_TOP_LOGPROBS = 20
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -43,6 +45,7 @@ class SamplingParams:
     seed: int | None = None  # same seed + same prompt -> same tokens
     stop_token_ids: tuple[int, ...] = ()
     return_logprob: bool = False  # logprob of the chosen token under the raw distribution
+    top_logprobs: int = 0  # also the likeliest tokens and their logprobs, this many
     # OpenAI's: logits -= frequency * count + presence * (count > 0), counts over the output
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
@@ -60,6 +63,9 @@ class SamplingParams:
         for name in ("frequency_penalty", "presence_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got "
+                             f"{self.top_logprobs}")
         if not self.repetition_penalty > 0.0:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
 
@@ -186,6 +192,10 @@ class StepResult(NamedTuple):
     next_token_ids: np.ndarray  # [B] int64
     logprobs: np.ndarray | None  # [B] float32, NaN where not asked; None when nobody asked
     stopped: np.ndarray  # [B] bool: the token is one of the request's stop_token_ids
+    # the likeliest tokens under the raw distribution, [B, K] for the largest K asked in the
+    # step, likeliest first; None when nobody asked
+    top_ids: np.ndarray | None = None  # int64
+    top_logprobs: np.ndarray | None = None  # float32
 
 
 def broadcast_plan(plan: StepPlan | None, group: TPGroup, src: int = 0) -> StepPlan:

@@ -166,6 +166,33 @@ def test_logprobs(client: openai.OpenAI) -> None:
     assert len(content.content) == 3
 
 
+def test_top_logprobs(client: openai.OpenAI) -> None:
+    """The formats; the values are checked against transformers in tests/cluster."""
+    out = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=4,
+                                    temperature=0, logprobs=3)
+    lp = out.choices[0].logprobs
+    assert lp is not None and lp.top_logprobs is not None and lp.token_logprobs is not None
+    assert len(lp.top_logprobs) == 4
+    for token, token_lp, top in zip(lp.tokens or [], lp.token_logprobs, lp.top_logprobs,
+                                    strict=True):
+        assert 3 <= len(top) <= 4  # the three likeliest, and the sampled token
+        assert top[token] == pytest.approx(token_lp)
+        assert max(top.values()) == pytest.approx(token_lp)  # greedy: the likeliest
+    chat = client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+        temperature=0, logprobs=True, top_logprobs=4)
+    content = chat.choices[0].logprobs
+    assert content is not None and content.content is not None
+    for entry in content.content:
+        values = [alt.logprob for alt in entry.top_logprobs]
+        assert len(values) == 4 and values == sorted(values, reverse=True)
+        assert entry.top_logprobs[0].token == entry.token
+        assert values[0] == pytest.approx(entry.logprob)
+    with pytest.raises(openai.BadRequestError, match="top_logprobs"):
+        client.chat.completions.create(model=MODEL_NAME, max_tokens=2, top_logprobs=2,
+                                       messages=[{"role": "user", "content": "Hi"}])
+
+
 def test_cached_tokens_reported(client: openai.OpenAI) -> None:
     prompt = "A long shared system prompt about geography and capitals of Europe. " * 3
     client.completions.create(model=MODEL_NAME, prompt=prompt + "Q1", max_tokens=2,
