@@ -222,7 +222,10 @@ class OpenAIIngress:
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         if any(not s for s in stop):
             raise bad_request("stop strings must not be empty", "stop")
-        sampling = SamplingParams(temperature=body.temperature, top_k=body.top_k,
+        sampling = SamplingParams(logit_bias=self._logit_bias(body.logit_bias),
+                                  stop_token_ids=self._token_ids(body.stop_token_ids or [],
+                                                                 "stop_token_ids"),
+                                  temperature=body.temperature, top_k=body.top_k,
                                   top_p=body.top_p, min_p=body.min_p, seed=body.seed,
                                   return_logprob=logprobs, top_logprobs=top_logprobs,
                                   frequency_penalty=body.frequency_penalty,
@@ -231,17 +234,30 @@ class OpenAIIngress:
         return GenerationParams(sampling=sampling, max_new_tokens=max_tokens,
                                 stop_strings=tuple(stop), ignore_eos=body.ignore_eos)
 
+    def _token_ids(self, ids: list[int], field: str) -> tuple[int, ...]:
+        vocab = len(self.tokenizer)
+        if any(not 0 <= t < vocab for t in ids):
+            raise bad_request(f"{field} must be token ids in [0, {vocab})", field)
+        return tuple(ids)
+
+    def _logit_bias(self, bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+        if not bias:
+            return ()
+        try:
+            ids = [int(k) for k in bias]
+        except ValueError:
+            raise bad_request("logit_bias keys must be token ids", "logit_bias") from None
+        if any(not -100.0 <= v <= 100.0 for v in bias.values()):
+            raise bad_request("logit_bias values must be in [-100, 100]", "logit_bias")
+        return tuple(zip(self._token_ids(ids, "logit_bias"), bias.values(), strict=True))
+
     def _completion_prompts(self, prompt: str | list[str] | list[int]) -> list[list[int]]:
         if isinstance(prompt, str):
             prompt = [prompt]
         if not prompt:
             raise bad_request("the prompt is empty", "prompt")
         if isinstance(prompt[0], int):
-            ids = [int(t) for t in prompt]
-            vocab = len(self.tokenizer)
-            if any(not 0 <= t < vocab for t in ids):
-                raise bad_request(f"prompt token ids must be in [0, {vocab})", "prompt")
-            return [ids]
+            return [list(self._token_ids([int(t) for t in prompt], "prompt"))]
         prompts = [self.tokenizer.encode(str(p)) for p in prompt]
         if any(not p for p in prompts):
             raise bad_request("the prompt is empty", "prompt")

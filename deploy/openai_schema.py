@@ -32,6 +32,10 @@ class _SamplingFields(_Body):
         1.0, gt=0, description="scales down tokens of the prompt and output (1: off)"
     )
     stop: str | list[str] | None = Field(None, description="stop strings (not in the output)")
+    stop_token_ids: list[int] | None = Field(None, description="token ids that also stop")
+    logit_bias: dict[str, float] | None = Field(
+        None, description="token id (as a string) -> added to its logit, in [-100, 100]"
+    )
     seed: int | None = Field(None, description="same seed, same prompt: same tokens")
     n: int = Field(1, ge=1, le=16, description="choices per prompt")
     stream: bool = Field(False, description="server-sent events, ending with [DONE]")

@@ -1,4 +1,5 @@
-"""Per-request sampling on the device: greedy, temperature, top-k, top-p, min-p, seeds.
+"""Per-request sampling on the device: greedy, temperature, top-k, top-p, min-p, seeds, and
+logit biases (added to the logits sampled from; logprobs stay those of the model).
 
 No `torch.multinomial`: a sample is `argmax(probs / E)` with E ~ Exponential(1) per vocabulary
 entry (the exponential-race form of the Gumbel trick). A seeded request draws E from a generator
@@ -43,6 +44,8 @@ class Sampler:
                              f"{len(positions)} positions must agree")
         raw = logits.float()
         logits = adjust(raw) if adjust is not None else raw
+        if any(p.logit_bias for p in params):
+            logits = self._add_bias(logits, params)
         if all(p.is_greedy for p in params):
             token_ids = logits.argmax(dim=-1)
         else:
@@ -76,6 +79,13 @@ class Sampler:
             rows = torch.tensor(greedy_rows, device=dev)
             sampled[rows] = logits[rows].argmax(dim=-1)
         return sampled
+
+    def _add_bias(self, logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+        rows = [i for i, p in enumerate(params) for _ in p.logit_bias]
+        ids = [t for p in params for t, _ in p.logit_bias]
+        bias = [b for p in params for _, b in p.logit_bias]
+        index = (torch.tensor(rows, device=self.device), torch.tensor(ids, device=self.device))
+        return logits.index_put(index, torch.tensor(bias, device=self.device), accumulate=True)
 
     def _filter(self, probs: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
         """Zero the entries outside each row's top-k, top-p nucleus and min-p floor."""

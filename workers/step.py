@@ -46,6 +46,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     return_logprob: bool = False  # logprob of the chosen token under the raw distribution
     top_logprobs: int = 0  # also the likeliest tokens and their logprobs, this many
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
     # OpenAI's: logits -= frequency * count + presence * (count > 0), counts over the output
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
@@ -66,6 +67,8 @@ class SamplingParams:
         if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got "
                              f"{self.top_logprobs}")
+        if any(not -100.0 <= bias <= 100.0 for _, bias in self.logit_bias):
+            raise ValueError("logit_bias values must be in [-100, 100]")
         if not self.repetition_penalty > 0.0:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
 

@@ -85,6 +85,10 @@ BAD_FIELDS = [
     ({**GOOD, "frequency_penalty": 2.5}, "frequency_penalty"),
     ({**GOOD, "presence_penalty": -3}, "presence_penalty"),
     ({**GOOD, "repetition_penalty": 0}, "repetition_penalty"),
+    ({**GOOD, "logit_bias": {"hello": 5}}, "logit_bias"),
+    ({**GOOD, "logit_bias": {"7": 101}}, "logit_bias"),
+    ({**GOOD, "logit_bias": {"99999999": 1}}, "logit_bias"),
+    ({**GOOD, "stop_token_ids": [-1]}, "stop_token_ids"),
     ({**GOOD, "frobnicate": True}, "frobnicate"),
 ]
 

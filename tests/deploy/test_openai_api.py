@@ -193,6 +193,29 @@ def test_top_logprobs(client: openai.OpenAI) -> None:
                                        messages=[{"role": "user", "content": "Hi"}])
 
 
+def test_logit_bias_and_stop_token_ids(client: openai.OpenAI, engine: Engine) -> None:
+    ids = engine.tokenizer.encode(PROMPT)  # type: ignore[union-attr]
+    [plain] = engine.generate([ids], GenerationParams(max_new_tokens=6))
+    # ban the greedy first token: the next likeliest comes instead
+    banned = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=1,
+                                       temperature=0, logprobs=2,
+                                       logit_bias={str(plain[0]): -100})
+    lp = banned.choices[0].logprobs
+    assert lp is not None and lp.top_logprobs is not None
+    first, second = sorted(lp.top_logprobs[0].items(), key=lambda kv: -kv[1])[:2]
+    assert banned.choices[0].text == second[0] != first[0]
+    # a forced token, then a stop at it
+    forced = engine.tokenizer.encode(" banana")[0]  # type: ignore[union-attr]
+    out = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=5,
+                                    temperature=0, logit_bias={str(forced): 100})
+    assert out.choices[0].text == engine.tokenizer.decode([forced] * 5)  # type: ignore[union-attr]
+    stopped = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=5,
+                                        temperature=0, logit_bias={str(forced): 100},
+                                        extra_body={"stop_token_ids": [forced]})
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stopped.usage is not None and stopped.usage.completion_tokens == 1
+
+
 def test_cached_tokens_reported(client: openai.OpenAI) -> None:
     prompt = "A long shared system prompt about geography and capitals of Europe. " * 3
     client.completions.create(model=MODEL_NAME, prompt=prompt + "Q1", max_tokens=2,
