@@ -18,6 +18,7 @@ from raydix.cluster.engine import Engine
 from raydix.cluster.executor import make_executor
 from raydix.cluster.request import GenerationParams
 from raydix.workers.config import WorkerConfig
+from raydix.workers.step import SamplingParams
 from tests.cluster.conftest import random_prompts
 
 pytestmark = pytest.mark.ray
@@ -43,7 +44,13 @@ def _engine(model: Path, tp_size: int, **sched: object) -> Engine:
 
 def test_tp2_engine_equals_tp1(ray_cluster: None, tiny_llama: Path) -> None:
     prompts = random_prompts(seed=11, groups=4, per_group=8, prefix_len=40, question_len=(3, 20))
-    params = GenerationParams(max_new_tokens=12, ignore_eos=True)
+    greedy = GenerationParams(max_new_tokens=12, ignore_eos=True)
+    # every fourth request is penalised and asks for logprobs: the penalty starts ride in the
+    # broadcast plan, and the likeliest tokens come back from rank 0
+    extras = GenerationParams(SamplingParams(temperature=0.0, repetition_penalty=1.3,
+                                             frequency_penalty=0.5, top_logprobs=3),
+                              max_new_tokens=12, ignore_eos=True)
+    params = [extras if i % 4 == 0 else greedy for i in range(len(prompts))]
     tp1 = _engine(tiny_llama, 1)
     expected = tp1.generate(prompts, params)
     tp2 = _engine(tiny_llama, 2, max_prefill_tokens=256, chunked_prefill_size=64)
