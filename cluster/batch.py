@@ -55,7 +55,7 @@ class ScheduledBatch:
                     prefix_len=req.kv_len,
                     input_ids=req.token_slice(req.kv_len, req.kv_len + num),
                     out_cache_loc=slots,
-                    sampling=req.params.sampling,
+                    sampling=req.sampling_now(),
                 )
             )
         return StepPlan.build(self.step_id, scheduled, table_writes, freed_rows, penalty_starts)

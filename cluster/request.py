@@ -45,6 +45,8 @@ class GenerationParams:
 
     sampling: SamplingParams = GREEDY
     max_new_tokens: int = 128
+    # no EOS or stop token id before this many output tokens (stop strings still apply)
+    min_new_tokens: int = 0
     stop_strings: tuple[str, ...] = ()
     ignore_eos: bool = False
     priority: int = 0  # larger runs earlier under the priority policy
@@ -53,6 +55,9 @@ class GenerationParams:
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise ValueError(f"min_new_tokens must be in [0, max_new_tokens="
+                             f"{self.max_new_tokens}], got {self.min_new_tokens}")
         if any(not s for s in self.stop_strings):
             raise ValueError("stop strings must not be empty")
 
@@ -96,6 +101,14 @@ class Request:
     num_retractions: int = 0
     finish_reason: FinishReason | None = None
     first_token_time: float | None = None
+    # the sampling while fewer than min_new_tokens are out: EOS and stop token ids banned
+    early_sampling: SamplingParams | None = None
+
+    def sampling_now(self) -> SamplingParams:
+        """The sampling of this request's next token."""
+        if self.early_sampling is not None and len(self.output_ids) < self.params.min_new_tokens:
+            return self.early_sampling
+        return self.params.sampling
 
     @property
     def fill_ids(self) -> npt.NDArray[np.int32]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import replace
 
 import numpy as np
 
@@ -75,6 +76,10 @@ class Scheduler:
                 f"the prompt has {prompt_len} tokens, more than the KV pool holds "
                 f"({self.cache.capacity})"
             )
+        if req.params.min_new_tokens:
+            sampling = req.params.sampling
+            banned = self.eos_token_ids | set(sampling.stop_token_ids)
+            req.early_sampling = replace(sampling, banned_token_ids=tuple(sorted(banned)))
         self._requests[req.rid] = req
         self.waiting.append(req)
 

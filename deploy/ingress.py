@@ -219,6 +219,9 @@ class OpenAIIngress:
                 f"{longest + max_tokens} were requested ({longest} in the prompt, {max_tokens} "
                 f"for the output); lower {limit_field}", limit_field,
                 code="context_length_exceeded")
+        if body.min_tokens > max_tokens:
+            raise bad_request(f"min_tokens ({body.min_tokens}) is more than {limit_field} "
+                              f"({max_tokens})", "min_tokens")
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         if any(not s for s in stop):
             raise bad_request("stop strings must not be empty", "stop")
@@ -232,6 +235,7 @@ class OpenAIIngress:
                                   presence_penalty=body.presence_penalty,
                                   repetition_penalty=body.repetition_penalty)
         return GenerationParams(sampling=sampling, max_new_tokens=max_tokens,
+                                min_new_tokens=body.min_tokens,
                                 stop_strings=tuple(stop), ignore_eos=body.ignore_eos)
 
     def _token_ids(self, ids: list[int], field: str) -> tuple[int, ...]:

@@ -18,6 +18,7 @@ class StreamOptions(_Body):
 class _SamplingFields(_Body):
     model: str = Field(description="the served model's name")
     max_tokens: int | None = Field(None, gt=0, description="output tokens at most")
+    min_tokens: int = Field(0, ge=0, description="no EOS or stop token id before this many")
     temperature: float = Field(1.0, ge=0, description="0 is greedy")
     top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling mass")
     top_k: int = Field(-1, description="sample among the k likeliest tokens; <= 0: off")

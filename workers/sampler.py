@@ -1,5 +1,5 @@
-"""Per-request sampling on the device: greedy, temperature, top-k, top-p, min-p, seeds, and
-logit biases (added to the logits sampled from; logprobs stay those of the model).
+"""Per-request sampling on the device: greedy, temperature, top-k, top-p, min-p, seeds, logit
+biases and banned tokens (applied to the logits sampled from; logprobs stay those of the model).
 
 No `torch.multinomial`: a sample is `argmax(probs / E)` with E ~ Exponential(1) per vocabulary
 entry (the exponential-race form of the Gumbel trick). A seeded request draws E from a generator
@@ -9,6 +9,7 @@ whatever else is in the batch. Greedy batches take a fast path (one argmax).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -44,7 +45,7 @@ class Sampler:
                              f"{len(positions)} positions must agree")
         raw = logits.float()
         logits = adjust(raw) if adjust is not None else raw
-        if any(p.logit_bias for p in params):
+        if any(p.logit_bias or p.banned_token_ids for p in params):
             logits = self._add_bias(logits, params)
         if all(p.is_greedy for p in params):
             token_ids = logits.argmax(dim=-1)
@@ -81,9 +82,10 @@ class Sampler:
         return sampled
 
     def _add_bias(self, logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-        rows = [i for i, p in enumerate(params) for _ in p.logit_bias]
-        ids = [t for p in params for t, _ in p.logit_bias]
-        bias = [b for p in params for _, b in p.logit_bias]
+        """Logit biases added, banned tokens at -inf (a ban outweighs any bias)."""
+        pairs = [(i, t, b) for i, p in enumerate(params) for t, b in p.logit_bias]
+        pairs += [(i, t, -math.inf) for i, p in enumerate(params) for t in p.banned_token_ids]
+        rows, ids, bias = zip(*pairs, strict=True)
         index = (torch.tensor(rows, device=self.device), torch.tensor(ids, device=self.device))
         return logits.index_put(index, torch.tensor(bias, device=self.device), accumulate=True)
 

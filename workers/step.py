@@ -47,6 +47,7 @@ class SamplingParams:
     return_logprob: bool = False  # logprob of the chosen token under the raw distribution
     top_logprobs: int = 0  # also the likeliest tokens and their logprobs, this many
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    banned_token_ids: tuple[int, ...] = ()  # never sampled (the engine's min_new_tokens)
     # OpenAI's: logits -= frequency * count + presence * (count > 0), counts over the output
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0

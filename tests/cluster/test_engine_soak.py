@@ -1,7 +1,7 @@
 """A mixed load under memory pressure: every request ends as if it had run alone.
 
 Requests arrive at random steps with random sampling (greedy or seeded, penalties, top
-logprobs, stop tokens, lengths), some are aborted midway, and the pool is small enough that
+logprobs, stop tokens, minimum and maximum lengths), some are aborted midway, and the pool is small enough that
 requests are retracted and cached prefixes evicted. Each finished request must give the tokens
 and logprobs it gives alone on an idle engine; afterwards nothing is held: no slot, no row, no
 penalty state.
@@ -35,6 +35,7 @@ def _random_params(rng: np.random.Generator) -> GenerationParams:
         repetition_penalty=float(rng.uniform(0.8, 1.4)) if penalised else 1.0,
     )
     return GenerationParams(sampling=sampling, max_new_tokens=int(rng.integers(4, 28)),
+                            min_new_tokens=int(rng.choice([0, 0, 3])),
                             ignore_eos=bool(rng.random() < 0.5))
 
 

@@ -89,6 +89,7 @@ BAD_FIELDS = [
     ({**GOOD, "logit_bias": {"7": 101}}, "logit_bias"),
     ({**GOOD, "logit_bias": {"99999999": 1}}, "logit_bias"),
     ({**GOOD, "stop_token_ids": [-1]}, "stop_token_ids"),
+    ({**GOOD, "min_tokens": 5}, "min_tokens"),  # more than max_tokens
     ({**GOOD, "frobnicate": True}, "frobnicate"),
 ]
 

@@ -214,6 +214,12 @@ def test_logit_bias_and_stop_token_ids(client: openai.OpenAI, engine: Engine) ->
                                         extra_body={"stop_token_ids": [forced]})
     assert stopped.choices[0].finish_reason == "stop"
     assert stopped.usage is not None and stopped.usage.completion_tokens == 1
+    # vLLM's min_tokens: the stop token can't come before three tokens are out
+    later = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=5,
+                                      temperature=0, logit_bias={str(forced): 100},
+                                      extra_body={"stop_token_ids": [forced], "min_tokens": 3})
+    assert later.usage is not None and later.usage.completion_tokens == 4
+    assert later.choices[0].finish_reason == "stop"
 
 
 def test_cached_tokens_reported(client: openai.OpenAI) -> None:
