@@ -173,10 +173,11 @@ def http_compare(args: argparse.Namespace) -> None:
     results: dict[str, dict[str, float]] = {}
     try:
         for router in args.routers:
+            overrides = dict(item.split("=", 1) for item in args.set)
             config = AppConfig(served_model_name="bench", replicas=args.replicas, router=router,
                                max_context_len=prefix_len + question_len + max_tokens + 8,
                                max_running_requests=args.concurrency,
-                               max_total_tokens=args.kv_tokens)
+                               max_total_tokens=args.kv_tokens, **overrides)
             serve.run(build_app(config), name="bench", route_prefix="/")
             asyncio.run(run_workload(url, warmup, 1, args.replicas))  # no prefix in common
             results[router] = asyncio.run(run_workload(url, prompts, max_tokens,
@@ -252,6 +253,9 @@ def main() -> None:
     http.add_argument("--address", help="join this Ray cluster (default: a local Ray)")
     http.add_argument("--kv-tokens", type=int, default=3072,
                       help="KV pool tokens per replica (see the module docstring)")
+    http.add_argument("--set", action="append", default=[], metavar="OPTION=VALUE",
+                      help="an AppConfig option for every router run, e.g. "
+                           "saturated_kv_usage=1 (repeatable)")
     http.add_argument("--plot", help="write a PNG of hit rate, throughput and p99 TTFT")
     http.add_argument("--json", help="write the results as JSON")
     http.add_argument("--quick", action="store_true",
