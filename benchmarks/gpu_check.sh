@@ -5,13 +5,20 @@
 #      for a ~1B-parameter Llama (random weights, TinyLlama-1.1B's shape) and the default model.
 # Results go to $OUT when it is set (else ./gpu-check): the pytest log and the benchmark's JSON.
 #
-# It uses the Python environment it finds (torch with CUDA, flashinfer, transformers, and this
-# checkout installed, e.g. by `make setup` on a CUDA host). PYTHON picks another interpreter.
+# It uses the Python environment it finds: torch with CUDA, transformers, safetensors, pytest
+# and flashinfer (`make setup` on a CUDA host installs them all). On a machine without internet,
+# bring what is missing as wheels and put them on PYTHONPATH first, e.g. flashinfer-python and
+# its needs from `pip download --no-deps --only-binary=:all: --platform manylinux_2_28_x86_64`.
+# This checkout is installed without dependencies if `raydix` does not import yet.
+# PYTHON picks another interpreter.
 set -euo pipefail
 PYTHON=${PYTHON:-python3}
 out=${OUT:-gpu-check}
 mkdir -p "$out"
 export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+if ! "$PYTHON" -c 'import raydix.workers' 2>/dev/null; then
+  "$PYTHON" -m pip install -q --no-deps --no-build-isolation -e .
+fi
 "$PYTHON" -c 'import torch, flashinfer; assert torch.cuda.is_available(), "no CUDA device"
 print("torch", torch.__version__, "flashinfer", flashinfer.__version__, torch.cuda.get_device_name())'
 status=0
