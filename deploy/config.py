@@ -93,8 +93,12 @@ class AppConfig(BaseModel):
     max_context_len: int | None = Field(
         None, ge=2, description="prompt + output tokens; default: the model's limit, at most 8192"
     )
-    chunked_prefill_size: int = Field(2048, ge=1, description="prompt chunk per step")
-    max_prefill_tokens: int = Field(8192, ge=1, description="new prompt tokens per step")
+    chunked_prefill_size: int | None = Field(
+        None, ge=1, description="prompt chunk per step; default: 2048 on CUDA, 512 on CPU"
+    )
+    max_prefill_tokens: int | None = Field(
+        None, ge=1, description="new prompt tokens per step; default: 8192 on CUDA, 512 on CPU"
+    )
     schedule_policy: Literal["fcfs", "lpm", "priority"] = Field(
         "fcfs", description="order of waiting requests"
     )
@@ -200,10 +204,17 @@ def routing_policy(config: AppConfig) -> RoutingPolicyConfig | None:
                                saturated_kv_usage=config.saturated_kv_usage)
 
 
+# (max_prefill_tokens, chunked_prefill_size) by device. A step's prompt tokens stall every
+# running stream until the step ends: 8,192 take tens of milliseconds on a GPU but seconds on a
+# CPU, so there a step takes 512 (about a second); `benchmarks/step_budget_bench.py` measures it.
+STEP_BUDGETS = {"cuda": (8192, 2048), "cpu": (512, 512)}
+
+
 def engine_config(config: AppConfig, model_path: str, device: str) -> EngineConfig:
     """The one translation from app settings to the engine's frozen config."""
     model = ModelConfig.from_folder(model_path)
     max_context_len = config.max_context_len or min(model.max_position_embeddings, 8192)
+    default_prefill, default_chunk = STEP_BUDGETS["cuda" if device.startswith("cuda") else "cpu"]
     worker = WorkerConfig(
         model_path=model_path,
         tp_size=config.tp,
@@ -218,8 +229,8 @@ def engine_config(config: AppConfig, model_path: str, device: str) -> EngineConf
         max_running_requests=config.max_running_requests,
         max_context_len=max_context_len,
         page_size=config.page_size,
-        max_prefill_tokens=config.max_prefill_tokens,
-        chunked_prefill_size=config.chunked_prefill_size,
+        max_prefill_tokens=config.max_prefill_tokens or default_prefill,
+        chunked_prefill_size=config.chunked_prefill_size or default_chunk,
         schedule_policy=config.schedule_policy,
         enable_prefix_cache=not config.disable_radix_cache,
     )

@@ -116,6 +116,13 @@ def test_engine_config_from_app_config(smollm2: Path) -> None:
     assert engine.scheduler.schedule_policy == "lpm"
     assert not engine.scheduler.enable_prefix_cache
     assert engine.worker.mem_fraction_static == 0.5
+    assert engine.scheduler.max_prefill_tokens == 512  # the CPU default
+    # the step budget's default follows the device: a CPU step of 8,192 prompt tokens lasts
+    # seconds, a GPU's tens of milliseconds
+    plain = AppConfig(model=str(smollm2))
+    assert engine_config(plain, str(smollm2), "cpu").scheduler.max_prefill_tokens == 512
+    cuda = engine_config(plain, str(smollm2), "cuda").scheduler
+    assert (cuda.max_prefill_tokens, cuda.chunked_prefill_size) == (8192, 2048)
 
 
 @pytest.mark.parametrize(("argv", "named"), [
