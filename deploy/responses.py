@@ -87,9 +87,9 @@ def _completion_logprobs(head: ResponseHead, token_ids: list[int], logprobs: lis
         offsets.append(offset)
         offset += len(tok)
     top_dicts = []
-    for i, (tok, lp) in enumerate(zip(tokens, logprobs, strict=True)):
+    for tok, lp, top in zip(tokens, logprobs, tops or [()] * len(tokens), strict=True):
         alternatives = {}
-        for t, alt_lp in (tops[i] if i < len(tops) else ()):
+        for t, alt_lp in top:
             alternatives.setdefault(head.token_text(t), alt_lp)
         alternatives.setdefault(tok, lp)
         top_dicts.append(alternatives)
@@ -106,10 +106,9 @@ def _chat_logprobs(head: ResponseHead, token_ids: list[int], logprobs: list[floa
     if not head.want_logprobs:
         return None
     content = []
-    for i, (t, lp) in enumerate(zip(token_ids, logprobs, strict=True)):
+    for t, lp, top in zip(token_ids, logprobs, tops or [()] * len(token_ids), strict=True):
         entry = _token_logprob(head.token_text(t), lp)
-        entry.top_logprobs = [_token_logprob(head.token_text(alt), alt_lp)
-                              for alt, alt_lp in (tops[i] if i < len(tops) else ())]
+        entry.top_logprobs = [_token_logprob(head.token_text(alt), alt_lp) for alt, alt_lp in top]
         content.append(entry)
     return ChatLogprobs(content=content)
 

@@ -67,8 +67,9 @@ class PenaltyTracker:
 
     def apply(self, logits: torch.Tensor, plan: StepPlan) -> torch.Tensor:
         """`logits` [B, V] (float32) with each penalised request's penalties applied."""
-        picked = [(i, self._entry[row]) for i, row in enumerate(plan.row_idx.tolist())
-                  if plan.sampling[i].has_penalties and row in self._entry]
+        # only penalised requests hold an entry
+        picked = [(i, entry) for i, row in enumerate(plan.row_idx.tolist())
+                  if (entry := self._entry.get(row)) is not None]
         if not picked:
             return logits
         params = [plan.sampling[i] for i, _ in picked]

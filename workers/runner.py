@@ -116,14 +116,13 @@ class ModelRunner:
         if plan.batch_size == 0:
             self.table.check(plan)
             self.table.apply(plan)
-            if self.config.tp_rank != 0:
-                return None
-            self.penalties.update(plan)
-            return self._empty_result(plan)
-        logits = self.forward(plan)
+        else:
+            logits = self.forward(plan)
         if self.config.tp_rank != 0:
             return None
-        self.penalties.update(plan)
+        self.penalties.update(plan)  # freed rows too: an empty plan may carry them
+        if plan.batch_size == 0:
+            return self._empty_result(plan)
         seq_lens = plan.prefix_lens.astype(np.int64) + plan.extend_lens
         adjust = None
         if self.penalties.num_tracked:

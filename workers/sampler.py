@@ -46,7 +46,7 @@ class Sampler:
         raw = logits.float()
         logits = adjust(raw) if adjust is not None else raw
         if any(p.logit_bias or p.banned_token_ids for p in params):
-            logits = self._add_bias(logits, params)
+            logits = self._bias_and_ban(logits, params)
         if all(p.is_greedy for p in params):
             token_ids = logits.argmax(dim=-1)
         else:
@@ -81,7 +81,7 @@ class Sampler:
             sampled[rows] = logits[rows].argmax(dim=-1)
         return sampled
 
-    def _add_bias(self, logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    def _bias_and_ban(self, logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
         """Logit biases added, banned tokens at -inf (a ban outweighs any bias)."""
         pairs = [(i, t, b) for i, p in enumerate(params) for t, b in p.logit_bias]
         pairs += [(i, t, -math.inf) for i, p in enumerate(params) for t in p.banned_token_ids]
