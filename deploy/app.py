@@ -83,7 +83,8 @@ def bind_app(config: AppConfig, engine_factory: EngineFactory = build_engine) ->
                                max_waiting_requests=config.max_waiting_requests,
                                startup_timeout_s=config.startup_timeout_s,
                                router_events=config.router_mode == "exact",
-                               router_approx_tokens=config.router_approx_tokens)
+                               router_approx_tokens=config.router_approx_tokens,
+                               debug_cache_audit=config.debug_cache_audit)
     policy = routing_policy(config)
     engine_app = engine_deployment.bind(engine, settings, engine_factory, board, routing=policy)
     ingress = serve.deployment(OpenAIIngress).options(

@@ -141,6 +141,10 @@ class AppConfig(BaseModel):
     health_check_period_s: float = Field(
         5.0, gt=0, description="how often Serve checks each engine replica (its loop and ranks)"
     )
+    debug_cache_audit: bool = Field(
+        False, description="debug: audit each replica's KV cache in stats calls made while it is "
+        "idle (walks the whole pool: seconds at millions of slots)"
+    )
 
     @model_validator(mode="after")
     def _check(self) -> AppConfig:

@@ -63,6 +63,7 @@ class ReplicaSettings:
     startup_timeout_s: float = 600.0  # bound on starting the ranks
     router_events: bool = True  # cache_aware: send the cache's events (exact mode)
     router_approx_tokens: int = 4_000_000  # cache_aware without events: the tree's cap
+    debug_cache_audit: bool = False  # audit the KV cache manager in idle stats calls (slow)
 
 
 EngineFactory = Callable[[EngineConfig, ReplicaSettings, EventSink | None], Engine]
@@ -112,10 +113,12 @@ class ReplicaStats(NamedTuple):
     num_in_flight: int  # requests handed to this replica and not finished
     num_rows: int  # request rows held in the KV cache manager
     num_protected_tokens: int  # prefix-cache tokens locked by running requests
-    kv_capacity: int
-    integrity_error: str | None  # from the cache manager's check, None when consistent
+    kv_capacity: int  # usable KV slots
+    integrity_error: str | None  # from the last audit (debug_cache_audit); None: consistent
     node_id: str = ""  # the Ray node of the replica's engine
     rank_node_ids: tuple[str, ...] = ()  # the Ray node of each rank, in rank order
+    num_kv_used_tokens: int = 0  # slots held by requests and protected prefixes
+    num_audits: int = 0  # integrity audits run so far (debug_cache_audit)
 
 
 class RankInfo(NamedTuple):
@@ -134,6 +137,12 @@ def _replica_id() -> str:
         return uuid.uuid4().hex[:8]
 
 
+def _node_id() -> str:
+    if not ray.is_initialized():  # direct use in tests: asking would start a Ray
+        return ""
+    return str(ray.get_runtime_context().get_node_id())
+
+
 def _app_name() -> str:
     try:
         return str(serve.get_replica_context().app_name)
@@ -141,14 +150,14 @@ def _app_name() -> str:
         return "default"
 
 
-def _engine_stats(engine: Engine) -> tuple[EngineMetrics, int, int, int, str | None]:
-    cache = engine.scheduler.cache
+def _audit(engine: Engine) -> str | None:
+    """The KV cache manager's full integrity check: it walks every page of the pool, so it
+    costs time that grows with the pool (seconds at millions of slots)."""
     try:
-        cache.check_integrity()
-        error = None
+        engine.scheduler.cache.check_integrity()
     except RuntimeError as e:
-        error = str(e)
-    return engine.metrics(), cache.num_running, cache.size_info.protected_size, cache.capacity, error
+        return str(e)
+    return None
 
 
 class EngineServer:
@@ -161,6 +170,10 @@ class EngineServer:
                  report_period_s: float = 1.0,
                  routing: RoutingPolicyConfig | None = None) -> None:
         self.replica_id = _replica_id()
+        self._audit_enabled = settings.debug_cache_audit
+        self._integrity_error: str | None = None
+        self._audited_steps = 0
+        self._num_audits = 0
         logger.info("replica %s: starting the engine (tp=%d) over %s", self.replica_id,
                     engine_config.worker.tp_size, engine_config.worker.model_path)
         events = EventBuffer() if routing is not None and settings.router_events else None
@@ -173,7 +186,7 @@ class EngineServer:
 
         self.engine = AsyncEngine(engine, max_waiting_requests=settings.max_waiting_requests,
                                   on_error=engine_failed)
-        self.node_id = str(ray.get_runtime_context().get_node_id())
+        self.node_id = _node_id()
         executor = engine.executor
         self.ranks_info = tuple(
             RankInfo(self.replica_id, r, executor.node_ids[r], executor.workers[r])
@@ -221,10 +234,27 @@ class EngineServer:
         self.engine.abort(rid)
 
     async def stats(self) -> ReplicaStats:
-        metrics, num_rows, protected, capacity, error = await self.engine.call(_engine_stats)
-        return ReplicaStats(self.replica_id, metrics, self.engine.num_in_flight, num_rows,
-                            protected, capacity, error, self.node_id,
-                            tuple(r.node_id for r in self.ranks_info))
+        """This replica's counters, read on the event loop while the loop thread steps: each
+        is kept by the scheduler or the cache as it changes, so a call costs the same at any
+        pool size and never waits for a step (a read torn by a step is off by that step).
+
+        With `debug_cache_audit`, a call made while no request is in flight first audits the
+        cache on the loop thread (once per change: only when steps ran since the last audit)."""
+        engine = self.engine.engine
+        if self._audit_enabled and self.engine.num_in_flight == 0:
+            num_steps = engine.scheduler.stats.num_steps
+            if num_steps != self._audited_steps or self._num_audits == 0:
+                self._integrity_error = await self.engine.call(_audit)
+                self._audited_steps = num_steps
+                self._num_audits += 1
+        cache = engine.scheduler.cache
+        metrics = engine.metrics()
+        return ReplicaStats(
+            self.replica_id, metrics, self.engine.num_in_flight, cache.num_running,
+            cache.size_info.protected_size, cache.capacity, self._integrity_error, self.node_id,
+            tuple(r.node_id for r in self.ranks_info),
+            num_kv_used_tokens=cache.capacity - cache.available_size(),
+            num_audits=self._num_audits)
 
     async def ranks(self) -> tuple[RankInfo, ...]:
         """This replica's ranks: where each runs, and its worker actor."""

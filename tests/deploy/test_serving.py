@@ -44,7 +44,8 @@ def server(serve_cluster: ServeCluster, smollm2: Path) -> Iterator[str]:
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])  # replicas can't import tests
     config = AppConfig(model=str(smollm2), served_model_name=MODEL_NAME, device="cpu",
-                       max_total_tokens=8192, max_running_requests=64, max_context_len=1024)
+                       max_total_tokens=8192, max_running_requests=64, max_context_len=1024,
+                       debug_cache_audit=True)
     serve.run(bind_app(config, engine_factory=checked_engine), name=APP, route_prefix="/")
     yield serve_cluster.base_url
     serve.delete(APP)
@@ -89,6 +90,7 @@ def test_client_disconnect_aborts_and_frees_kv(server: str) -> None:
     assert after.num_in_flight == 0  # type: ignore[attr-defined]
     assert after.num_rows == 0  # type: ignore[attr-defined]
     assert after.num_protected_tokens == 0  # type: ignore[attr-defined]
+    assert after.num_audits > 0  # type: ignore[attr-defined]
     assert after.integrity_error is None  # type: ignore[attr-defined]
     generated = (after.metrics.num_generated_tokens  # type: ignore[attr-defined]
                  - before.metrics.num_generated_tokens)  # type: ignore[attr-defined]
@@ -126,6 +128,7 @@ def test_64_concurrent_streams_complete_in_order(server: str) -> None:
         assert num_chunks >= 2
         assert text == whole[i % 8]  # same tokens, in order, nothing lost or repeated
     stats = wait_idle()
+    assert stats.num_audits > 0  # type: ignore[attr-defined]
     assert stats.integrity_error is None  # type: ignore[attr-defined]
 
 
