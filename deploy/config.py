@@ -71,8 +71,10 @@ class AppConfig(BaseModel):
         description="reserve one Ray GPU per rank; default: when device is cuda "
         "(true with device cpu runs on fake GPUs, for tests)",
     )
-    dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
-        None, description="weights and KV dtype; default bf16 on CUDA, fp32 on CPU"
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] | None = Field(
+        None, description="weights and KV dtype; default bf16 on CUDA, fp32 on CPU; auto: bf16 "
+        "on CUDA, on CPU the faster of fp32 and bf16 measured at start (bf16 only where the CPU "
+        "has native bf16)"
     )
     attention_backend: Literal["torch", "flashinfer"] = Field(
         "torch", description="attention kernels (flashinfer: CUDA only)"

@@ -109,7 +109,9 @@ class WorkerConfig:
     tp_rank: int = 0
     tp_size: int = 1
     device: str = "cpu"  # "cpu" or "cuda" / "cuda:N"
-    dtype: str | None = None  # "float32", "bfloat16", "float16"; None: bf16 on CUDA, fp32 on CPU
+    # "float32", "bfloat16", "float16"; None: bf16 on CUDA, fp32 on CPU; "auto": bf16 on CUDA, on
+    # CPU the faster of packed fp32 and bf16, measured at start (layers/packed.py)
+    dtype: str | None = None
     attention_backend: str = "torch"  # "torch" or "flashinfer" (CUDA only)
     page_size: int = 1
     max_running_requests: int = 64  # rows of the request->token table
@@ -136,10 +138,17 @@ class WorkerConfig:
             raise ValueError("max_running_requests and max_context_len must be >= 1")
 
     @property
+    def dtype_measured(self) -> bool:
+        """The dtype is picked on the rank by measuring (`dtype="auto"` on CPU)."""
+        return self.dtype == "auto" and not self.device.startswith("cuda")
+
+    @property
     def torch_dtype(self) -> torch.dtype:
-        if self.dtype is None:
+        """The dtype, except for `dtype_measured` (the runner measures it; fp32 here)."""
+        if self.dtype is None or self.dtype == "auto":
             return torch.bfloat16 if self.device.startswith("cuda") else torch.float32
         dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
         if self.dtype not in dtypes:
-            raise ValueError(f"dtype must be one of {sorted(dtypes)}, got {self.dtype!r}")
+            raise ValueError(f"dtype must be one of {[*sorted(dtypes), 'auto']}, "
+                             f"got {self.dtype!r}")
         return dtypes[self.dtype]

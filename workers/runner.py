@@ -13,7 +13,13 @@ from .attention import AttentionBackend, ForwardBatch, make_backend
 from .config import ModelConfig, WorkerConfig
 from .host_memory import keep_freed_memory
 from .kv_pool import KVPool, KVPoolConfig
-from .layers.packed import pack_linear_layers, packing_supported
+from .layers.packed import (
+    native_bf16,
+    pack_linear_layers,
+    packing_supported,
+    pick_cpu_dtype,
+    weight_bytes,
+)
 from .loader import load_model
 from .parallel import SINGLE_RANK, TPGroup, all_gather_ints, all_reduce_min, head_shard
 from .penalties import PenaltyTracker
@@ -45,13 +51,17 @@ class ModelRunner:
             keep_freed_memory()  # no page faults on each layer's activations (host_memory.py)
         self.model_config = ModelConfig.from_folder(config.model_path)
         mc = self.model_config
-        dtype = config.torch_dtype
+        dtype = self._pick_dtype()
+        self.dtype = dtype
         self.model = load_model(config.model_path, mc, group, dtype, self.device)
-        self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        if config.cpu_packed_linear and packing_supported(self.device, dtype):
-            # a second, blocked copy of each linear weight: it counts against the budget too
-            self.weight_bytes += self.weight_bytes - self.model.model.embed_tokens.weight.nbytes
-            pack_linear_layers(self.model, config.max_running_requests)
+        if self.device.type == "cpu" and config.cpu_packed_linear:
+            if packing_supported(self.device, dtype):
+                pack_linear_layers(self.model, config.max_running_requests)  # the only copy
+            else:
+                logger.warning("linear layers run unpacked in %s: oneDNN packing covers float32, "
+                               "and bfloat16 where the CPU has native bf16 (avx512_bf16 or amx; "
+                               "native here: %s)", dtype, native_bf16())
+        self.weight_bytes = weight_bytes(self.model)
 
         heads = head_shard(mc.num_heads, mc.num_kv_heads, config.tp_rank, config.tp_size)
         # every rank holds the same number of tokens; the rank with the most KV heads sets the cell
@@ -76,6 +86,16 @@ class ModelRunner:
         self.graph_runner: CudaGraphRunner | None = None
         if config.cuda_graph:
             self.graph_runner = self._capture_graphs()
+
+    def _pick_dtype(self) -> torch.dtype:
+        """The config's dtype; for `dtype="auto"` on CPU the faster one measured on this CPU,
+        the same on every rank (bf16 only where every rank picked it)."""
+        if not self.config.dtype_measured:
+            return self.config.torch_dtype
+        mc = self.model_config
+        picked = pick_cpu_dtype(mc.hidden_size, 2 * mc.intermediate_size // self.config.tp_size)
+        use_bf16 = all_reduce_min(int(picked == torch.bfloat16 and native_bf16()), self.group)
+        return torch.bfloat16 if use_bf16 else torch.float32
 
     def _capture_graphs(self) -> CudaGraphRunner:
         if self.device.type != "cuda" or self.config.attention_backend != "flashinfer":

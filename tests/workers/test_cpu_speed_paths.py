@@ -15,7 +15,14 @@ import torch.nn.functional as F
 from raydix.workers.attention.torch_backend import split_by_length
 from raydix.workers.config import WorkerConfig
 from raydix.workers.host_memory import keep_freed_memory
-from raydix.workers.layers.packed import linear, pack_weight, packing_supported
+from raydix.workers.layers import packed as packed_module
+from raydix.workers.layers.packed import (
+    linear,
+    native_bf16,
+    pack_weight,
+    packing_supported,
+    pick_cpu_dtype,
+)
 from raydix.workers.runner import ModelRunner
 from raydix.workers.step import ScheduledRequest, StepPlan
 
@@ -54,15 +61,61 @@ def test_runner_packs_every_linear_and_keeps_the_logits(
     packed = ModelRunner(config)
     plain = ModelRunner(WorkerConfig(**{**config.__dict__, "cpu_packed_linear": False}))
     num_layers = packed.model_config.num_layers
-    slots = [mod for mod in packed.model.modules() if hasattr(mod, "packed_weight")]
+    plain_modules = dict(plain.model.named_modules())
+    slots = [(name, mod) for name, mod in packed.model.named_modules()
+             if hasattr(mod, "packed_weight")]
     assert len(slots) == 4 * num_layers + 1  # qkv, o, gate_up, down per layer + the LM head
-    assert all(mod.packed_weight is not None for mod in slots)
+    for name, mod in slots:  # one copy per linear layer: the packed one, holding the weight
+        assert mod.weight is None and mod.packed_weight is not None, name
+        assert "weight" not in dict(mod.named_parameters()), name
+        assert torch.equal(mod.packed_weight.to_dense(), plain_modules[name].weight), name
     assert all(getattr(mod, "packed_weight", None) is None for mod in plain.model.modules())
-    # the packed copies count against the memory budget: fewer KV slots fit, never more
-    assert packed.weight_bytes > plain.weight_bytes
+    # the packed weights replace the plain ones: the same bytes, so as many KV slots fit
+    assert packed.weight_bytes == plain.weight_bytes
     prompt = m.prompts[0]
     np.testing.assert_allclose(_logits(packed, prompt).numpy(), _logits(plain, prompt).numpy(),
                                atol=1e-4, rtol=0)
+
+
+@pytest.mark.skipif(not packing_supported(torch.device("cpu"), torch.bfloat16),
+                    reason="no native bf16 on this CPU (avx512_bf16 or amx)")
+def test_bf16_is_packed_where_native_and_agrees_with_plain_bf16(
+        tiny_models: dict[str, TinyModel]) -> None:
+    m = tiny_models["llama"]
+    config = WorkerConfig(str(m.folder), dtype="bfloat16", max_running_requests=2,
+                          max_context_len=64, max_total_tokens=128)
+    packed, plain = ModelRunner(config), ModelRunner(
+        WorkerConfig(**{**config.__dict__, "cpu_packed_linear": False}))
+    layer = packed.model.model.layers[0].mlp.down_proj
+    assert layer.weight is None and layer.packed_weight.dtype == torch.bfloat16
+    assert packed.kv_pool.config.dtype == torch.bfloat16
+    for prompt in m.prompts:  # the tolerance of the bf16 kernel comparisons on CUDA
+        torch.testing.assert_close(_logits(packed, prompt).float(), _logits(plain, prompt).float(),
+                                   atol=3e-2, rtol=3e-2)
+
+
+def test_dtype_auto_measures_where_bf16_is_native(monkeypatch: pytest.MonkeyPatch,
+                                                  caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level("INFO", logger=packed_module.__name__)
+    picked = pick_cpu_dtype(64, 192, repeats=2)
+    if native_bf16():
+        assert picked in (torch.float32, torch.bfloat16)
+        assert "fp32" in caplog.text and "bf16" in caplog.text  # both were timed
+    monkeypatch.setattr(packed_module, "native_bf16", lambda: False)
+    caplog.clear()
+    assert pick_cpu_dtype(64, 192, repeats=2) == torch.float32
+    assert "no native bf16" in caplog.text
+
+
+def test_runner_with_dtype_auto_runs_the_dtype_it_picked(
+        tiny_models: dict[str, TinyModel], monkeypatch: pytest.MonkeyPatch) -> None:
+    m = tiny_models["llama"]
+    monkeypatch.setattr(packed_module, "native_bf16", lambda: False)
+    runner = ModelRunner(WorkerConfig(str(m.folder), dtype="auto", max_running_requests=2,
+                                      max_context_len=64, max_total_tokens=128))
+    assert runner.dtype == runner.kv_pool.config.dtype == torch.float32
+    with pytest.raises(ValueError, match="auto"):
+        _ = WorkerConfig(str(m.folder), dtype="float8").torch_dtype
 
 
 _LAYERS_SCRIPT = """

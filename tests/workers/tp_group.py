@@ -74,7 +74,10 @@ def run_case(worker: TPWorker, case: TPCase) -> TPCaseResult:
         plan = broadcast_plan(probe_plan(case.probes, case.page_size), worker.group)
         logits = list(worker.runner.forward(plan).float().cpu().numpy())
     model = worker.runner.model
-    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()
+    weights = dict(model.named_parameters())
+    weights.update({f"{name}.weight": mod.packed_weight for name, mod in model.named_modules()
+                    if getattr(mod, "packed_weight", None) is not None})  # packed on CPU
+    shapes = {name: tuple(p.shape) for name, p in weights.items()
               if ".layers.0." in name or "embed" in name or "lm_head" in name}
     shapes["kv_pool"] = tuple(worker.runner.kv_pool.k_buffers[0].shape)
     return TPCaseResult(outputs, logits, worker.max_num_tokens, shapes, bad_plan_error)

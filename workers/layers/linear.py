@@ -25,8 +25,10 @@ class ColumnParallelLinear(nn.Module):
             start, end = shard_range(out_features, group.tp_rank, group.tp_size)
             out_shard = (start, end - start)
         self.out_start, self.out_size = out_shard
-        self.weight = nn.Parameter(torch.empty(self.out_size, in_features), requires_grad=False)
-        self.packed_weight: torch.Tensor | None = None  # see layers/packed.py
+        # on CPU the packed weight replaces the plain one after loading (layers/packed.py)
+        self.weight: nn.Parameter | None = nn.Parameter(torch.empty(self.out_size, in_features),
+                                                        requires_grad=False)
+        self.packed_weight: torch.Tensor | None = None
         self.bias: nn.Parameter | None = None
         if bias:
             self.bias = nn.Parameter(torch.empty(self.out_size), requires_grad=False)
@@ -107,8 +109,10 @@ class RowParallelLinear(nn.Module):
             in_shard = (start, end - start)
         self.in_start, self.in_size = in_shard
         self.group = group
-        self.weight = nn.Parameter(torch.empty(out_features, self.in_size), requires_grad=False)
-        self.packed_weight: torch.Tensor | None = None  # see layers/packed.py
+        # on CPU the packed weight replaces the plain one after loading (layers/packed.py)
+        self.weight: nn.Parameter | None = nn.Parameter(torch.empty(out_features, self.in_size),
+                                                        requires_grad=False)
+        self.packed_weight: torch.Tensor | None = None
         self.bias: nn.Parameter | None = None
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)

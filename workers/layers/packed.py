@@ -5,13 +5,19 @@ matmul on a weight reordered once (the op torch's own CPU compiler uses after fr
 the same product in fp32 with a blocked, cache-friendly weight: on SmolLM2-135M's shapes it is
 15-20% faster for the layers and up to 60% for the LM head (measured one thread, AVX-512).
 
-The plain weight stays the parameter (loading, TP sharding and tests see it); the packed copy
-is derived from it by `pack_linear_layers` after loading, and is never written.
+The plain weight is the parameter while the checkpoint loads (loading and TP sharding see it);
+`pack_linear_layers` then reorders it and drops it, so the packed weight is the only copy (as
+vLLM's CPU build does). `packed.to_dense()` gives the plain weight back when one is needed.
+
+bf16 is packed only where the CPU computes it natively (AVX-512-BF16 or AMX); elsewhere oneDNN
+would emulate it, and the layers stay plain.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+import time
 
 import torch
 import torch.nn.functional as F
@@ -19,18 +25,25 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
-_PACKABLE_DTYPES = (torch.float32,)  # the path measured and tested
+
+@functools.cache
+def native_bf16() -> bool:
+    """The CPU computes bf16 dot products in hardware (AVX-512-BF16 or AMX tiles)."""
+    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+
+
+def _onednn_linear_ops() -> bool:
+    return (torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
 def packing_supported(device: torch.device, dtype: torch.dtype) -> bool:
-    """oneDNN packed linear runs here: a CPU build with oneDNN and its linear ops."""
-    return (
-        device.type == "cpu"
-        and dtype in _PACKABLE_DTYPES
-        and torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-    )
+    """oneDNN packed linear runs here: a CPU build with oneDNN's linear ops, fp32, or bf16 on a
+    CPU with native bf16."""
+    if device.type != "cpu" or not _onednn_linear_ops():
+        return False
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and native_bf16())
 
 
 def pack_weight(weight: torch.Tensor, batch_hint: int) -> torch.Tensor:
@@ -38,22 +51,66 @@ def pack_weight(weight: torch.Tensor, batch_hint: int) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), batch_hint)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
+def linear(x: torch.Tensor, weight: torch.Tensor | None, packed: torch.Tensor | None,
            bias: torch.Tensor | None = None) -> torch.Tensor:
     """`x W^T + b`, through the packed weight when there is one."""
-    if packed is None:
-        return F.linear(x, weight, bias)
-    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+    if packed is not None:
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+    if weight is None:
+        raise RuntimeError("linear layer has neither a weight nor a packed weight")
+    return F.linear(x, weight, bias)
 
 
 def pack_linear_layers(model: nn.Module, batch_hint: int) -> int:
-    """Give every layer with a `packed_weight` slot its packed weight; returns how many.
-
-    Call after the weights are loaded, and again if they ever change."""
+    """Replace the weight of every layer with a `packed_weight` slot by its packed form; returns
+    how many were packed. The plain weight is dropped (set to None), one layer at a time, so
+    memory never holds more than one layer's weight twice. Layers already packed are left as
+    they are."""
     num_packed = 0
     for module in model.modules():
         if hasattr(module, "packed_weight") and isinstance(module.weight, torch.Tensor):
             module.packed_weight = pack_weight(module.weight, batch_hint)
+            module.register_parameter("weight", None)  # the packed weight is the only copy
             num_packed += 1
     logger.debug("packed %d linear weights for oneDNN (batch hint %d)", num_packed, batch_hint)
     return num_packed
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of every weight the model holds: parameters and packed weights."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    for module in model.modules():
+        packed = getattr(module, "packed_weight", None)
+        if isinstance(packed, torch.Tensor):
+            total += packed.numel() * packed.element_size()
+    return total
+
+
+def pick_cpu_dtype(in_features: int, out_features: int, rows: int = 1,
+                   repeats: int = 20) -> torch.dtype:
+    """`--dtype auto` on CPU: the faster of packed fp32 and packed bf16 on one linear of the
+    model's shape (`rows` input rows), measured here; fp32 where bf16 is not native."""
+    if not packing_supported(torch.device("cpu"), torch.float32):
+        return torch.float32
+    if not native_bf16():
+        logger.info("dtype auto: float32 (this CPU has no native bf16: no avx512_bf16, no amx)")
+        return torch.float32
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(out_features, in_features, generator=gen)
+    x = torch.randn(rows, in_features, generator=gen)
+    seconds = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        packed, xd = pack_weight(weight.to(dtype), rows), x.to(dtype)
+        linear(xd, None, packed)  # warm-up: oneDNN builds its primitive on the first call
+        best = float("inf")
+        for _ in range(3):  # best of three: the machine may be busy
+            start = time.perf_counter()
+            for _ in range(repeats):
+                linear(xd, None, packed)
+            best = min(best, time.perf_counter() - start)
+        seconds[dtype] = best
+    choice = min(seconds, key=seconds.__getitem__)
+    logger.info("dtype auto: %s (a [%d x %d] linear: fp32 %.3f ms, bf16 %.3f ms)",
+                str(choice).removeprefix("torch."), out_features, in_features,
+                seconds[torch.float32] / repeats * 1e3, seconds[torch.bfloat16] / repeats * 1e3)
+    return choice
