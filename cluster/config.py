@@ -61,6 +61,7 @@ class EngineConfig:
             page_size=scheduler.page_size,
             max_running_requests=scheduler.max_running_requests,
             max_context_len=scheduler.max_context_len,
+            max_prefill_tokens=scheduler.max_prefill_tokens,
         )
         return cls(worker=worker, scheduler=scheduler)
 

@@ -15,7 +15,14 @@ from ray.serve.config import RequestRouterConfig
 from raydix.cluster.placement import check_replica_fits
 from raydix.router.serve_router import CacheAwareRequestRouter, RoundRobinRequestRouter
 
-from .config import AppConfig, engine_config, resolve_device, resolve_model_path, routing_policy
+from .config import (
+    AppConfig,
+    attention_backend,
+    engine_config,
+    resolve_device,
+    resolve_model_path,
+    routing_policy,
+)
 from .ingress import OpenAIIngress
 from .server import EngineFactory, EngineServer, ReplicaSettings, build_engine, replica_bundles
 from .stats_board import StatsBoard
@@ -47,6 +54,7 @@ def bind_app(config: AppConfig, engine_factory: EngineFactory = build_engine) ->
     Connected to a Ray cluster, a replica that no node could hold is refused here with a
     ValueError (Serve would keep it pending without end)."""
     device = resolve_device(config, _cluster_gpus())
+    check_attention_backend(config, device)
     use_gpu = config.use_gpu_bundles if config.use_gpu_bundles is not None else device == "cuda"
     bundles = replica_bundles(config.tp, use_gpu)
     if bundles is not None and ray.is_initialized():
@@ -96,6 +104,19 @@ def bind_app(config: AppConfig, engine_factory: EngineFactory = build_engine) ->
     return ingress.bind(engine_app, board, model_path, config.model_name,
                         engine.scheduler.max_context_len, config.max_request_bytes,
                         api_key_of(config), cache_aware_router=policy is not None)
+
+
+def check_attention_backend(config: AppConfig, device: str) -> None:
+    """Refuse flashinfer here when this machine has CUDA but no flashinfer, in one line, before
+    any replica starts (the ranks check again where they run: a head node may have no GPU)."""
+    if attention_backend(config, device) != "flashinfer":
+        return
+    import torch
+
+    from raydix.workers.attention import require_flashinfer
+
+    if torch.cuda.is_available():
+        require_flashinfer()
 
 
 def request_router_options(config: AppConfig) -> dict[str, RequestRouterConfig]:

@@ -76,8 +76,15 @@ class AppConfig(BaseModel):
         "on CUDA, on CPU the faster of fp32 and bf16 measured at start (bf16 only where the CPU "
         "has native bf16)"
     )
-    attention_backend: Literal["torch", "flashinfer"] = Field(
-        "torch", description="attention kernels (flashinfer: CUDA only)"
+    attention_backend: Literal["auto", "torch", "flashinfer"] = Field(
+        "auto", description="attention kernels; auto: flashinfer on CUDA, torch on CPU"
+    )
+    disable_cuda_graph: bool = Field(
+        False, description="CUDA: run decode eagerly instead of under CUDA graphs"
+    )
+    cuda_graph_max_bs: int | None = Field(
+        None, ge=1, description="CUDA: largest decode batch captured under a CUDA graph; "
+        "default: max_running_requests"
     )
     # memory and scheduling
     mem_fraction_static: float = Field(
@@ -152,6 +159,8 @@ class AppConfig(BaseModel):
     def _check(self) -> AppConfig:
         if self.attention_backend == "flashinfer" and self.device == "cpu":
             raise ValueError("attention_backend flashinfer needs device cuda")
+        if self.device == "cpu" and self.cuda_graph_max_bs is not None:
+            raise ValueError("cuda_graph_max_bs needs device cuda")
         return self
 
     @property
@@ -216,6 +225,27 @@ def routing_policy(config: AppConfig) -> RoutingPolicyConfig | None:
 STEP_BUDGETS = {"cuda": (8192, 2048), "cpu": (512, 512)}
 
 
+def attention_backend(config: AppConfig, device: str) -> str:
+    """The backend `auto` stands for: flashinfer on CUDA (as SGLang and vLLM), torch on CPU."""
+    if config.attention_backend != "auto":
+        return config.attention_backend
+    return "flashinfer" if device.startswith("cuda") else "torch"
+
+
+def use_cuda_graph(config: AppConfig, device: str) -> bool:
+    """CUDA-graph decode: on with flashinfer on CUDA unless disabled. The graphs need the
+    flashinfer backend's static page tables, so a CUDA graph setting with any other backend is
+    refused rather than ignored."""
+    on_flashinfer = device.startswith("cuda") and attention_backend(config, device) == "flashinfer"
+    if not on_flashinfer and config.cuda_graph_max_bs is not None:
+        raise ValueError(f"cuda_graph_max_bs needs CUDA graphs, which run with the flashinfer "
+                         f"backend on CUDA (here: device {device}, attention_backend "
+                         f"{attention_backend(config, device)})")
+    if on_flashinfer and config.disable_cuda_graph and config.cuda_graph_max_bs is not None:
+        raise ValueError("cuda_graph_max_bs is set but disable_cuda_graph turns the graphs off")
+    return on_flashinfer and not config.disable_cuda_graph
+
+
 def engine_config(config: AppConfig, model_path: str, device: str) -> EngineConfig:
     """The one translation from app settings to the engine's frozen config."""
     model = ModelConfig.from_folder(model_path)
@@ -226,7 +256,9 @@ def engine_config(config: AppConfig, model_path: str, device: str) -> EngineConf
         tp_size=config.tp,
         device=device,
         dtype=config.dtype,
-        attention_backend=config.attention_backend,
+        attention_backend=attention_backend(config, device),
+        cuda_graph=use_cuda_graph(config, device),
+        cuda_graph_max_batch=config.cuda_graph_max_bs,
         mem_fraction_static=config.mem_fraction_static,
         max_total_tokens=config.max_total_tokens,
         cpu_memory_budget_bytes=int(config.cpu_memory_budget_gib * (1 << 30)),

@@ -116,11 +116,13 @@ class WorkerConfig:
     page_size: int = 1
     max_running_requests: int = 64  # rows of the request->token table
     max_context_len: int = 4096  # columns of the request->token table
+    max_prefill_tokens: int = 8192  # most prompt tokens in one step (sizes the activations)
     mem_fraction_static: float = 0.85
     max_total_tokens: int | None = None  # cap on KV pool slots (excluding padding)
     cpu_memory_budget_bytes: int = 2 << 30  # stands in for free device memory on CPU
     cuda_graph: bool = False  # capture decode under CUDA graphs (CUDA only)
-    cuda_graph_max_batch: int = 32
+    cuda_graph_max_batch: int | None = None  # largest captured batch; None: max_running_requests
+    warm_up: bool = True  # run every kernel the first requests need once, before serving
     cpu_packed_linear: bool = True  # CPU: linear layers through oneDNN-packed weights
     cpu_keep_freed_memory: bool = True  # CPU: glibc keeps freed activations (host_memory.py)
 
@@ -136,6 +138,16 @@ class WorkerConfig:
                              f"got {self.attention_backend!r}")
         if self.max_running_requests < 1 or self.max_context_len < 1:
             raise ValueError("max_running_requests and max_context_len must be >= 1")
+        if self.cuda_graph_max_batch is not None and self.cuda_graph_max_batch < 1:
+            raise ValueError(f"cuda_graph_max_batch must be >= 1, got {self.cuda_graph_max_batch}")
+
+    @property
+    def graph_max_batch(self) -> int:
+        """The largest decode batch captured under a CUDA graph (0 without graphs). By default
+        it covers every batch the request table allows, so no decode step falls back to eager."""
+        if not self.cuda_graph:
+            return 0
+        return self.cuda_graph_max_batch or self.max_running_requests
 
     @property
     def dtype_measured(self) -> bool:

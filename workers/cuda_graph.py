@@ -9,13 +9,18 @@ page tables in static buffers too.
 from __future__ import annotations
 
 import bisect
+import logging
+import time
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from .attention.base import ForwardBatch
 from .attention.flashinfer_backend import FlashInferAttentionBackend
 from .models import LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
 
 
 def graph_batch_sizes(max_batch: int) -> list[int]:
@@ -51,7 +56,10 @@ class CudaGraphRunner:
     def _capture_all(self) -> None:
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
-        for bs in reversed(self.batch_sizes):  # largest first, so smaller ones reuse its memory
+        start = time.perf_counter()
+        # largest first, so smaller ones reuse its memory
+        for bs in tqdm(list(reversed(self.batch_sizes)), desc="capturing CUDA graphs",
+                       unit="graph"):
             rows, lens = np.zeros(0, np.int64), np.zeros(0, np.int64)
             self.backend.plan_graph(bs, rows, lens, self.out_cache_loc[:bs])
             stream.wait_stream(torch.cuda.current_stream())
@@ -64,6 +72,8 @@ class CudaGraphRunner:
                 self.logits[bs] = self._run(bs)
             self.graphs[bs] = graph
         torch.cuda.synchronize()
+        logger.info("CUDA graphs: %d decode batch sizes up to %d captured in %.1f s",
+                    len(self.batch_sizes), self.max_batch, time.perf_counter() - start)
 
     def _run(self, bs: int) -> torch.Tensor:
         hidden = self.model(self.input_ids[:bs], self.positions[:bs], self.backend)

@@ -5,18 +5,75 @@
     cell     = kv_heads_per_rank * head_dim * num_layers * 2 (K and V) * dtype_bytes
 
 `mem_fraction_static` is the share of total memory for weights + KV pool; the remainder is kept
-free for activations. The pure function takes made-up readings in tests; `ModelRunner` feeds it
-real ones (the free memory of every rank, gathered over the group).
+free for activations. That remainder is a floor, not a guess: `estimate_headroom` counts what the
+largest step needs beside the pool (its activations, the CUDA graphs' memory pool, the attention
+workspace), and when that is more, it is kept instead:
+
+    rest     = min free - max((1 - mem_fraction_static) * total, headroom.total)
+
+The pure functions take made-up readings in tests; `ModelRunner` feeds them real ones (the free
+memory of every rank, from `torch.cuda.mem_get_info` on CUDA, gathered over the group).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
 
 IMBALANCE_RATIO = 0.9  # warn when a rank has less than 90% of another rank's free memory
+ALLOCATOR_SLACK = 1.5  # the caching allocator's rounding and fragmentation over exact sizes
+CUDA_RUNTIME_BYTES = 256 << 20  # cuBLAS workspaces and other lazily made CUDA state
+LOGITS_BYTES_PER_VALUE = 16  # logits in the model dtype, fp32 copy, probabilities, noise
+
+
+@dataclass(frozen=True)
+class ForwardShape:
+    """What sets a step's memory beside the weights and the KV pool, on one rank."""
+
+    hidden_size: int
+    intermediate_per_rank: int
+    qkv_per_rank: int  # (q heads + 2 kv heads) * head_dim on this rank
+    vocab_size: int
+    dtype_bytes: int
+    max_batch_tokens: int  # the most tokens one step computes (prompt chunk + decodes)
+    max_batch: int  # the most requests one step samples
+    graph_max_batch: int  # largest CUDA-graph batch; 0 without graphs
+    workspace_bytes: int  # attention backend workspace (flashinfer); 0 for torch
+    on_cuda: bool
+
+
+@dataclass(frozen=True)
+class Headroom:
+    """Bytes kept free beside the KV pool, by cause."""
+
+    activations: int  # the largest eager step
+    cuda_graphs: int  # the graphs' shared memory pool (sized by the largest graph)
+    workspace: int  # attention workspace and CUDA runtime state
+
+    @property
+    def total(self) -> int:
+        return self.activations + self.cuda_graphs + self.workspace
+
+
+def estimate_headroom(shape: ForwardShape) -> Headroom:
+    """Peak bytes a step allocates beside the pool: per token, a layer holds the residual and
+    hidden states, the fp32 norm, q/k/v, and the MLP's gate/up, activation and down outputs;
+    the LM head runs on one token per request."""
+    per_token = (shape.dtype_bytes * (6 * shape.hidden_size + shape.qkv_per_rank
+                                      + 3 * shape.intermediate_per_rank)
+                 + 4 * 2 * shape.hidden_size)
+
+    def step_bytes(num_tokens: int, num_requests: int) -> int:
+        logits = num_requests * shape.vocab_size * LOGITS_BYTES_PER_VALUE
+        return int(ALLOCATOR_SLACK * (num_tokens * per_token + logits))
+
+    graphs = step_bytes(shape.graph_max_batch, shape.graph_max_batch) if shape.graph_max_batch else 0
+    runtime = CUDA_RUNTIME_BYTES if shape.on_cuda else 0
+    return Headroom(activations=step_bytes(shape.max_batch_tokens, shape.max_batch),
+                    cuda_graphs=graphs, workspace=shape.workspace_bytes + runtime)
 
 
 def kv_cell_size(kv_heads_per_rank: int, head_dim: int, num_layers: int, dtype_bytes: int) -> int:
@@ -26,10 +83,12 @@ def kv_cell_size(kv_heads_per_rank: int, head_dim: int, num_layers: int, dtype_b
 
 def profile_max_num_tokens(free_bytes_per_rank: Sequence[int], total_bytes: int,
                            mem_fraction_static: float, cell_size: int, page_size: int,
-                           max_total_tokens: int | None = None) -> int:
+                           max_total_tokens: int | None = None,
+                           headroom: Headroom | None = None) -> int:
     """The KV pool capacity in tokens (a multiple of `page_size`, padding page not included).
 
-    Raises ValueError when nothing fits, saying to raise `mem_fraction_static`.
+    `free_bytes_per_rank` is read after the weights are loaded. Raises ValueError when nothing
+    fits, saying to raise `mem_fraction_static`.
     """
     if not free_bytes_per_rank:
         raise ValueError("need the free memory of at least one rank")
@@ -39,20 +98,42 @@ def profile_max_num_tokens(free_bytes_per_rank: Sequence[int], total_bytes: int,
         raise ValueError(f"mem_fraction_static must be in (0, 1], got {mem_fraction_static}")
     _warn_imbalance(free_bytes_per_rank)
     min_free = min(free_bytes_per_rank)
-    rest = min_free - (1.0 - mem_fraction_static) * total_bytes
+    by_fraction = (1.0 - mem_fraction_static) * total_bytes
+    needed = headroom.total if headroom is not None else 0
+    reserve = max(by_fraction, needed)
+    rest = min_free - reserve
     num_tokens = int(rest // cell_size) // page_size * page_size if rest > 0 else 0
+    capped = max_total_tokens is not None and max_total_tokens // page_size * page_size < num_tokens
     if max_total_tokens is not None:
         num_tokens = min(num_tokens, max_total_tokens // page_size * page_size)
+    why = _reserve_reason(by_fraction, total_bytes, mem_fraction_static, headroom)
     if num_tokens <= 0:
         raise ValueError(
             f"no room for the KV cache: the least free memory over the ranks is "
-            f"{min_free / 2**30:.2f} GiB, and {(1 - mem_fraction_static) * total_bytes / 2**30:.2f} "
-            f"GiB of the {total_bytes / 2**30:.2f} GiB total is reserved "
-            f"(mem_fraction_static={mem_fraction_static}); one token needs {cell_size} bytes. "
+            f"{min_free / 2**30:.2f} GiB after the weights, and {reserve / 2**30:.2f} GiB is kept "
+            f"free ({why}); one token needs {cell_size} bytes. "
             f"Raise mem_fraction_static, or use a smaller model or a larger tp_size.")
-    logger.info("KV pool: %d tokens (%.3f GB per rank, page_size %d)", num_tokens,
-                num_tokens * cell_size / 1e9, page_size)
+    logger.info("KV pool: %d tokens (%.3f GB per rank, page_size %d): %s", num_tokens,
+                num_tokens * cell_size / 1e9, page_size,
+                f"capped by max_total_tokens={max_total_tokens}" if capped else
+                f"{min_free / 2**30:.2f} GiB free after the weights (least over "
+                f"{len(free_bytes_per_rank)} rank(s)), {reserve / 2**30:.2f} GiB kept free "
+                f"({why}), {cell_size} bytes per token")
     return num_tokens
+
+
+def _reserve_reason(by_fraction: float, total_bytes: int, mem_fraction_static: float,
+                    headroom: Headroom | None) -> str:
+    fraction = (f"1 - mem_fraction_static={mem_fraction_static} of {total_bytes / 2**30:.2f} GiB "
+                f"= {by_fraction / 2**30:.2f} GiB")
+    if headroom is None:
+        return fraction
+    parts = (f"the largest step's activations {headroom.activations / 2**30:.2f} GiB, CUDA "
+             f"graphs {headroom.cuda_graphs / 2**30:.2f} GiB, workspace "
+             f"{headroom.workspace / 2**30:.2f} GiB")
+    if headroom.total > by_fraction:
+        return f"{parts}: more than {fraction}"
+    return f"{fraction}, which covers {parts}"
 
 
 def _warn_imbalance(free_bytes_per_rank: Sequence[int]) -> None:

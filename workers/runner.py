@@ -11,6 +11,7 @@ import torch
 
 from .attention import AttentionBackend, ForwardBatch, make_backend
 from .config import ModelConfig, WorkerConfig
+from .device import resolve_device
 from .host_memory import keep_freed_memory
 from .kv_pool import KVPool, KVPoolConfig
 from .layers.packed import (
@@ -23,10 +24,17 @@ from .layers.packed import (
 from .loader import load_model
 from .parallel import SINGLE_RANK, TPGroup, all_gather_ints, all_reduce_min, head_shard
 from .penalties import PenaltyTracker
-from .pool_sizing import kv_cell_size, profile_max_num_tokens
+from .pool_sizing import (
+    ForwardShape,
+    Headroom,
+    estimate_headroom,
+    kv_cell_size,
+    profile_max_num_tokens,
+)
 from .req_table import RequestTable, to_device
 from .sampler import Sampler
 from .step import StepPlan, StepResult
+from .warmup import WarmUpResult, warm_up
 
 if TYPE_CHECKING:  # imported lazily: CUDA graphs need CUDA and flashinfer
     from .cuda_graph import CudaGraphRunner
@@ -42,11 +50,13 @@ class ModelRunner:
         if (group.tp_rank, group.tp_size) != (config.tp_rank, config.tp_size):
             raise ValueError(f"group is rank {group.tp_rank} of {group.tp_size} but the config "
                              f"says rank {config.tp_rank} of {config.tp_size}")
-        if config.device.startswith("cuda") and not torch.cuda.is_available():
-            raise ValueError(f"device {config.device!r} asked for, but CUDA is not available")
         self.config = config
         self.group = group
-        self.device = torch.device(config.device)
+        self.device = resolve_device(config.device)  # "cuda" gets its index: the current device
+        if config.cuda_graph and (self.device.type != "cuda"
+                                  or config.attention_backend != "flashinfer"):
+            raise ValueError("cuda_graph=True needs device='cuda' and attention_backend="
+                             "'flashinfer'")
         if self.device.type == "cpu" and config.cpu_keep_freed_memory:
             keep_freed_memory()  # no page faults on each layer's activations (host_memory.py)
         self.model_config = ModelConfig.from_folder(config.model_path)
@@ -68,10 +78,12 @@ class ModelRunner:
         max_kv_heads = max(head_shard(mc.num_heads, mc.num_kv_heads, r, config.tp_size)
                            .num_kv_heads for r in range(config.tp_size))
         cell = kv_cell_size(max_kv_heads, mc.head_dim, mc.num_layers, dtype.itemsize)
+        self.headroom = self._headroom(heads.num_q_heads + 2 * heads.num_kv_heads)
         free, total = self._memory_reading()
         num_tokens = profile_max_num_tokens(
             all_gather_ints(free, group), all_reduce_min(total, group),
-            config.mem_fraction_static, cell, config.page_size, config.max_total_tokens)
+            config.mem_fraction_static, cell, config.page_size, config.max_total_tokens,
+            self.headroom)
         self.kv_pool = KVPool(KVPoolConfig(num_tokens // config.page_size, config.page_size,
                                            mc.num_layers, heads.num_kv_heads, mc.head_dim, dtype),
                               self.device)
@@ -83,6 +95,9 @@ class ModelRunner:
             mc.head_dim)
         self.sampler = Sampler(self.device)
         self.penalties = PenaltyTracker(mc.vocab_size, self.device)  # driving rank only
+        self.warm_up: WarmUpResult | None = None
+        if config.warm_up:  # before the graphs: eager kernels compile first, then are captured
+            self.warm_up = warm_up(self.model, self.backend, self.req_to_token, self.device)
         self.graph_runner: CudaGraphRunner | None = None
         if config.cuda_graph:
             self.graph_runner = self._capture_graphs()
@@ -97,16 +112,30 @@ class ModelRunner:
         use_bf16 = all_reduce_min(int(picked == torch.bfloat16 and native_bf16()), self.group)
         return torch.bfloat16 if use_bf16 else torch.float32
 
+    def _headroom(self, qkv_heads: int) -> Headroom:
+        """What the largest step needs beside the KV pool (pool_sizing.py)."""
+        mc, config = self.model_config, self.config
+        workspace = 0
+        if config.attention_backend == "flashinfer":
+            from .attention.flashinfer_backend import WORKSPACE_BYTES
+
+            workspace = WORKSPACE_BYTES
+        return estimate_headroom(ForwardShape(
+            hidden_size=mc.hidden_size,
+            intermediate_per_rank=-(-mc.intermediate_size // config.tp_size),
+            qkv_per_rank=qkv_heads * mc.head_dim, vocab_size=mc.vocab_size,
+            dtype_bytes=self.dtype.itemsize,
+            max_batch_tokens=config.max_prefill_tokens + config.max_running_requests,
+            max_batch=config.max_running_requests, graph_max_batch=config.graph_max_batch,
+            workspace_bytes=workspace, on_cuda=self.device.type == "cuda"))
+
     def _capture_graphs(self) -> CudaGraphRunner:
-        if self.device.type != "cuda" or self.config.attention_backend != "flashinfer":
-            raise ValueError("cuda_graph=True needs device='cuda' and attention_backend="
-                             "'flashinfer'")
         from .attention.flashinfer_backend import FlashInferAttentionBackend
         from .cuda_graph import CudaGraphRunner
 
         if not isinstance(self.backend, FlashInferAttentionBackend):
             raise TypeError("CUDA graphs need the flashinfer backend")
-        return CudaGraphRunner(self.model, self.backend, self.config.cuda_graph_max_batch,
+        return CudaGraphRunner(self.model, self.backend, self.config.graph_max_batch,
                                self.config.max_context_len, self.device)
 
     @property

@@ -7,9 +7,8 @@ plan arrives. The engine calls only rank 0 per step, so there is no per-rank rou
 
 from __future__ import annotations
 
-import torch
-
 from .config import WorkerConfig
+from .device import bind_device
 from .parallel import TPGroup, init_tp_group
 from .runner import ModelRunner
 from .step import StepPlan, StepResult, broadcast_plan
@@ -19,8 +18,7 @@ class TPWorker:
     def __init__(self, config: WorkerConfig, rendezvous: str | None = None,
                  group: TPGroup | None = None) -> None:
         """Join the group at `rendezvous` (e.g. "tcp://10.0.0.1:29500"), or use `group`."""
-        if config.device.startswith("cuda") and torch.cuda.is_available():
-            torch.cuda.set_device(torch.device(config.device))  # NCCL binds to this device
+        bind_device(config.device)  # NCCL and every kernel launch bind to this device
         if group is None:
             if config.tp_size > 1 and rendezvous is None:
                 raise ValueError("tp_size > 1 needs a rendezvous address or a group")

@@ -6,7 +6,12 @@ import logging
 
 import pytest
 
-from raydix.workers.pool_sizing import kv_cell_size, profile_max_num_tokens
+from raydix.workers.pool_sizing import (
+    ForwardShape,
+    estimate_headroom,
+    kv_cell_size,
+    profile_max_num_tokens,
+)
 
 GiB = 1 << 30
 
@@ -77,3 +82,51 @@ def test_rejects_bad_arguments() -> None:
         profile_max_num_tokens([], GiB, 0.9, 1000, 1)
     with pytest.raises(ValueError, match="mem_fraction_static"):
         profile_max_num_tokens([GiB], GiB, 1.5, 1000, 1)
+
+
+def _shape(**overrides: int | bool) -> ForwardShape:
+    # TinyLlama-1.1B's shape at TP=1, bf16, serve's CUDA defaults
+    fields: dict[str, int | bool] = dict(
+        hidden_size=2048, intermediate_per_rank=5632, qkv_per_rank=(32 + 2 * 4) * 64,
+        vocab_size=32000, dtype_bytes=2, max_batch_tokens=8192 + 64, max_batch=64,
+        graph_max_batch=64, workspace_bytes=256 << 20, on_cuda=True)
+    fields.update(overrides)
+    return ForwardShape(**fields)  # type: ignore[arg-type]
+
+
+def test_headroom_counts_activations_graphs_and_workspace() -> None:
+    room = estimate_headroom(_shape())
+    per_token = 2 * (6 * 2048 + 40 * 64 + 3 * 5632) + 8 * 2048
+    assert room.activations == int(1.5 * ((8192 + 64) * per_token + 64 * 32000 * 16))
+    assert room.cuda_graphs == int(1.5 * (64 * per_token + 64 * 32000 * 16))
+    assert room.workspace == (256 << 20) + (256 << 20)
+    assert room.total == room.activations + room.cuda_graphs + room.workspace
+    # more prompt tokens per step need more room; no graphs need none for them
+    assert estimate_headroom(_shape(max_batch_tokens=16384)).activations > room.activations
+    assert estimate_headroom(_shape(graph_max_batch=0)).cuda_graphs == 0
+    cpu = estimate_headroom(_shape(on_cuda=False, workspace_bytes=0, graph_max_batch=0))
+    assert cpu.workspace == 0
+
+
+def test_headroom_is_kept_when_the_fraction_keeps_less(caplog: pytest.LogCaptureFixture) -> None:
+    room = estimate_headroom(_shape())
+    free, total, cell = 70 * GiB, 80 * GiB, 45056
+    # mem_fraction_static 0.99 keeps 0.8 GiB: less than the step needs, so the headroom wins
+    with caplog.at_level(logging.INFO, logger="raydix.workers.pool_sizing"):
+        tokens = profile_max_num_tokens([free], total, 0.99, cell, 16, headroom=room)
+    assert tokens == int((free - room.total) // cell) // 16 * 16
+    message = caplog.records[-1].getMessage()
+    assert "activations" in message and "more than 1 - mem_fraction_static" in message
+    # the default 0.85 keeps 12 GiB, which covers it: the fraction rules, as before
+    assert (profile_max_num_tokens([free], total, 0.85, cell, 16, headroom=room)
+            == profile_max_num_tokens([free], total, 0.85, cell, 16))
+
+
+def test_log_says_why_the_pool_has_its_size(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="raydix.workers.pool_sizing"):
+        profile_max_num_tokens([6 * GiB, 5 * GiB], 10 * GiB, 0.9, 1000, 1)
+        profile_max_num_tokens([6 * GiB], 10 * GiB, 0.9, 1000, 1, max_total_tokens=100)
+    first, second = (r.getMessage() for r in caplog.records[-2:])
+    assert "5.00 GiB free after the weights (least over 2 rank(s))" in first
+    assert "1.00 GiB kept free (1 - mem_fraction_static=0.9 of 10.00 GiB" in first
+    assert "capped by max_total_tokens=100" in second

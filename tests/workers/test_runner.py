@@ -55,11 +55,19 @@ def test_cpu_budget_stands_in_for_free_memory(tiny_models: dict[str, TinyModel])
     folder = str(tiny_models["llama"].folder)
     budget = 8 << 20
     r = ModelRunner(WorkerConfig(folder, cpu_memory_budget_bytes=budget, mem_fraction_static=0.9,
-                                 max_running_requests=2, max_context_len=16))
+                                 max_running_requests=2, max_context_len=16,
+                                 max_prefill_tokens=16))
     mc = ModelConfig.from_folder(folder)
     cell = kv_cell_size(mc.num_kv_heads, mc.head_dim, mc.num_layers, 4)
+    assert r.headroom.total < 0.1 * budget  # the fraction keeps more than a step needs
     assert r.max_num_tokens == profile_max_num_tokens([budget - r.weight_bytes], budget, 0.9,
-                                                      cell, 1)
+                                                      cell, 1, headroom=r.headroom)
+    # a step of 1,024 prompt tokens needs more than the fraction keeps: the pool shrinks for it
+    big = ModelRunner(WorkerConfig(folder, cpu_memory_budget_bytes=budget, mem_fraction_static=0.9,
+                                   max_running_requests=2, max_context_len=16,
+                                   max_prefill_tokens=1024))
+    assert big.headroom.total > 0.1 * budget
+    assert big.max_num_tokens == int((budget - big.weight_bytes - big.headroom.total) // cell)
     with pytest.raises(ValueError, match="Raise mem_fraction_static"):
         ModelRunner(WorkerConfig(folder, cpu_memory_budget_bytes=r.weight_bytes + 1000,
                                  mem_fraction_static=0.5))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 
 from ..kv_pool import KVPool
@@ -17,10 +19,32 @@ def make_backend(name: str, pool: KVPool, req_to_token: torch.Tensor, num_q_head
     if name == "flashinfer":
         if req_to_token.device.type != "cuda":
             raise ValueError("the flashinfer backend needs CUDA; use attention_backend='torch'")
+        require_flashinfer()
         from .flashinfer_backend import FlashInferAttentionBackend
 
         return FlashInferAttentionBackend(pool, req_to_token, num_q_heads, head_dim)
     raise ValueError(f"unknown attention backend {name!r}; choose 'torch' or 'flashinfer'")
 
 
-__all__ = ["AttentionBackend", "ForwardBatch", "TorchAttentionBackend", "make_backend"]
+FLASHINFER_MISSING = (
+    "attention backend 'flashinfer' needs the flashinfer package, which is not installed here: "
+    "install it with `pip install 'raydix[cuda]'` (the flashinfer-python wheel), or choose the "
+    "slower torch attention explicitly with --attention-backend torch")
+
+
+def flashinfer_installed() -> bool:
+    return importlib.util.find_spec("flashinfer") is not None
+
+
+def require_flashinfer() -> None:
+    """Raise ValueError with the one-line fix when flashinfer cannot be imported."""
+    if not flashinfer_installed():
+        raise ValueError(FLASHINFER_MISSING)
+    try:
+        import flashinfer  # noqa: F401
+    except ImportError as e:
+        raise ValueError(f"{FLASHINFER_MISSING} (importing it failed: {e})") from e
+
+
+__all__ = ["AttentionBackend", "ForwardBatch", "TorchAttentionBackend", "flashinfer_installed",
+           "make_backend", "require_flashinfer"]
