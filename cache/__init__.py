@@ -9,7 +9,7 @@ from .events import CacheEvent, EventBuffer, EventKind, EventSink
 from .manager import CacheConfig, KVCacheManager
 from .naive import NoPrefixCache
 from .radix import RadixCache
-from .req_table import ReqToTokenPool
+from .req_table import ReqToTokenPool, RowWrite, TableDiff
 from .tree_node import TreeNode
 
 __all__ = [
@@ -27,6 +27,8 @@ __all__ = [
     "PrefixHandle",
     "RadixCache",
     "ReqToTokenPool",
+    "RowWrite",
     "SizeInfo",
+    "TableDiff",
     "TreeNode",
 ]

@@ -26,7 +26,7 @@ from .events import EventSink
 from .integrity import check_manager
 from .naive import NoPrefixCache
 from .radix import RadixCache
-from .req_table import ReqToTokenPool, SlotArray
+from .req_table import ReqToTokenPool, SlotArray, TableDiff
 from .tree_node import as_token_array
 
 
@@ -194,7 +194,10 @@ class KVCacheManager:
         present = self._insert(row, state, key[:aligned_len])
         self._free_positions(row, cached_len, present)
         match = self.prefix_cache.match_prefix(key[:aligned_len], state.extra_key)
-        self.req_to_token.table[row, cached_len:aligned_len] = match.slots[cached_len:]
+        # [cached_len, present) duplicated the tree: take the tree's slots there; the row's
+        # own slots in [present, aligned_len) moved into the tree unchanged
+        if present > cached_len:
+            self.req_to_token.write(row, cached_len, match.slots[cached_len:present])
         self.prefix_cache.lock(match.handle)
         self.prefix_cache.unlock(state.handle)
         state.handle = match.handle
@@ -223,6 +226,18 @@ class KVCacheManager:
     def free_req(self, row: int) -> None:
         """Free a request without caching anything it computed (abort)."""
         self.cache_finished_req(row, np.zeros(0, dtype=np.int32))
+
+    @property
+    def has_table_diff(self) -> bool:
+        """Whether ``drain_table_diff`` has anything to hand out."""
+        return self.req_to_token.has_diff
+
+    def drain_table_diff(self) -> TableDiff:
+        """The table's changes since the last drain that a rank's copy needs: freed rows, and
+        the writes that no step's new tokens carry (a cached prefix given to a row, a row
+        rewritten with the tree's slots). Slots from ``alloc_slots`` / ``alloc_decode_slots``
+        are not in it: they travel with the step that computes those tokens."""
+        return self.req_to_token.drain_diff()
 
     def publish_snapshot(self) -> None:
         """Send the prefix cache's whole content as events again (see `PrefixCache`)."""

@@ -2,16 +2,39 @@
 
 A fixed ``[max_running_requests, max_context_len]`` table of slot ids. Row ``r`` holds, at
 position ``i``, the slot where token ``i`` of the request on row ``r`` keeps its K/V.
+
+This is the one table of the replica: each rank keeps a copy that follows it from diffs. The
+pool records what a rank cannot learn from a step's own new tokens (their slots travel with
+the step as ``out_cache_loc``): ``write`` (a cached prefix given to a row, a row rewritten with
+the tree's slots) and ``free``. ``drain_diff`` hands out what changed since the last drain, in
+the order a rank applies it: freed rows first, then the writes. A row taken and given back
+between two drains was never seen by a rank, so it leaves no trace in the diff.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from typing import NamedTuple
 
 import numpy as np
 import numpy.typing as npt
 
 SlotArray = npt.NDArray[np.int32]
+
+
+class RowWrite(NamedTuple):
+    """Slots written into request row ``row_idx`` at positions ``start ..``."""
+
+    row_idx: int
+    start: int
+    slot_ids: SlotArray
+
+
+class TableDiff(NamedTuple):
+    """What changed in the table since the last drain: rows to reset, then writes."""
+
+    freed_rows: list[int]
+    writes: list[RowWrite]
 
 
 class ReqToTokenPool:
@@ -27,6 +50,9 @@ class ReqToTokenPool:
         self.table: SlotArray = np.zeros((max_running_requests, max_context_len), dtype=np.int32)
         self._free_rows: deque[int] = deque(range(max_running_requests))
         self._allocated = np.zeros(max_running_requests, dtype=bool)
+        self._freed_now: list[int] = []
+        self._writes_now: list[RowWrite] = []
+        self._taken_now: set[int] = set()  # rows taken since the last drain
 
     def available_size(self) -> int:
         """Number of free request rows."""
@@ -38,6 +64,7 @@ class ReqToTokenPool:
             return None
         row = self._free_rows.popleft()
         self._allocated[row] = True
+        self._taken_now.add(row)
         return row
 
     def free(self, row: int) -> None:
@@ -45,6 +72,12 @@ class ReqToTokenPool:
         self._check_allocated(row)
         self._allocated[row] = False
         self._free_rows.append(row)
+        if self._writes_now:
+            self._writes_now = [w for w in self._writes_now if w.row_idx != row]
+        if row in self._taken_now:
+            self._taken_now.discard(row)  # no rank saw it: nothing to reset
+        else:
+            self._freed_now.append(row)
 
     def is_allocated(self, row: int) -> bool:
         return 0 <= row < self.max_running_requests and bool(self._allocated[row])
@@ -62,6 +95,18 @@ class ReqToTokenPool:
                 f"[0, max_context_len={self.max_context_len})"
             )
         self.table[row, start:end] = values
+        if end > start:
+            self._writes_now.append(RowWrite(row, start, self.table[row, start:end].copy()))
+
+    @property
+    def has_diff(self) -> bool:
+        return bool(self._freed_now or self._writes_now)
+
+    def drain_diff(self) -> TableDiff:
+        """What a rank's copy needs since the last drain (see the module docstring)."""
+        diff = TableDiff(self._freed_now, self._writes_now)
+        self._freed_now, self._writes_now, self._taken_now = [], [], set()
+        return diff
 
     def read(self, row: int, start: int, end: int) -> SlotArray:
         """A view of ``row`` at positions ``[start, end)``."""
@@ -75,8 +120,9 @@ class ReqToTokenPool:
 
     def clear(self) -> None:
         """Free every row."""
+        for row in np.flatnonzero(self._allocated).tolist():
+            self.free(row)
         self._free_rows = deque(range(self.max_running_requests))
-        self._allocated[:] = False
 
     def _check_allocated(self, row: int) -> None:
         if not 0 <= row < self.max_running_requests:

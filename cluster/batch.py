@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from raydix.cache import TableDiff
 from raydix.workers.step import PenaltyStart, ScheduledRequest, StepPlan, TableWrite
 
 from .request import Request
@@ -40,7 +41,10 @@ class ScheduledBatch:
             if n == 1 and req.output_ids
         )
 
-    def to_plan(self, table_writes: list[TableWrite], freed_rows: list[int]) -> StepPlan:
+    def to_plan(self, diff: TableDiff) -> StepPlan:
+        """The step for the ranks: this batch, plus the request table's changes since the last
+        plan (`diff`, drained from the cache manager) and each request's sampling settings
+        when they are new to its row."""
         scheduled, penalty_starts = [], []
         for req, num, slots, admitted in zip(self.requests, self.extend_lens, self.slots,
                                              self.admitted, strict=True):
@@ -49,13 +53,17 @@ class ScheduledBatch:
                 penalty_starts.append(PenaltyStart(
                     req.row, len(req.prompt_ids),
                     req.token_slice(0, req.kv_len).astype(np.int64)))
+            sampling = req.sampling_now()
+            new_sampling = sampling if sampling is not req.sent_sampling else None
+            req.sent_sampling = sampling
             scheduled.append(
                 ScheduledRequest(
                     row_idx=req.row,
                     prefix_len=req.kv_len,
                     input_ids=req.token_slice(req.kv_len, req.kv_len + num),
                     out_cache_loc=slots,
-                    sampling=req.sampling_now(),
+                    sampling=new_sampling,
                 )
             )
-        return StepPlan.build(self.step_id, scheduled, table_writes, freed_rows, penalty_starts)
+        writes = [TableWrite(w.row_idx, w.start, w.slot_ids) for w in diff.writes]
+        return StepPlan.build(self.step_id, scheduled, writes, diff.freed_rows, penalty_starts)

@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Protocol
 
 from raydix.workers.step import StepPlan, StepResult
-from raydix.workers.worker import TPWorker
 
 from .config import EngineConfig
 
@@ -30,6 +29,8 @@ class LocalExecutor:
                 f"LocalExecutor runs tp_size 1 only, got {config.worker.tp_size}; "
                 "use the Ray TP group for more ranks"
             )
+        from raydix.workers.worker import TPWorker  # the model stack loads with the rank only
+
         self.worker = TPWorker(config.rank_config(0))
 
     @property

@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from raydix.cache import RadixCache
-from raydix.workers.step import TableWrite
 
 from .batch import ScheduledBatch
 from .request import Request, Status
@@ -88,8 +87,6 @@ def schedule_prefill(
             req.cached_tokens = match.cached_len
             req.admitted_once = True
             sched.stats.record_admission(len(req.prompt_ids), match.cached_len)
-        if match.cached_len:
-            sched.queue_table_write(TableWrite(row, 0, match.slots.copy()))
         req.status = Status.RUNNING
         sched.waiting.remove(req)
         sched.running.append(req)

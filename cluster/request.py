@@ -103,6 +103,8 @@ class Request:
     first_token_time: float | None = None
     # the sampling while fewer than min_new_tokens are out: EOS and stop token ids banned
     early_sampling: SamplingParams | None = None
+    # the sampling its request row last sent to the ranks (None: no row, or not sent yet)
+    sent_sampling: SamplingParams | None = None
 
     def sampling_now(self) -> SamplingParams:
         """The sampling of this request's next token."""

@@ -16,7 +16,7 @@ from dataclasses import replace
 import numpy as np
 
 from raydix.cache import CacheConfig, EventSink, KVCacheManager
-from raydix.workers.step import StepPlan, StepResult, TableWrite
+from raydix.workers.step import StepPlan, StepResult
 
 from .batch import ScheduledBatch
 from .config import SchedulerConfig
@@ -53,8 +53,6 @@ class Scheduler:
         self.stats = SchedulerStats()
         self.new_token_ratio = config.init_new_token_ratio
         self._step_id = 0
-        self._table_writes: list[TableWrite] = []
-        self._freed_rows: list[int] = []
         self._requests: dict[str, Request] = {}
         self._retracted_now: set[str] = set()
         self._early_outputs: list[RequestOutput] = []
@@ -122,10 +120,9 @@ class Scheduler:
             if self.running:
                 # running prompts hold memory but none can take its next chunk: make room
                 self._retract(self.running[-1])
-            if not self._freed_rows and not self._table_writes:
+            if not self.cache.has_table_diff:
                 return None
-        plan = batch.to_plan(self._table_writes, self._freed_rows)
-        self._table_writes, self._freed_rows = [], []
+        plan = batch.to_plan(self.cache.drain_table_diff())
         self.new_token_ratio = max(
             self.config.min_new_token_ratio,
             self.new_token_ratio - self.config.new_token_ratio_decay,
@@ -170,12 +167,9 @@ class Scheduler:
             self.cache.cache_finished_req(req.row, req.fill_ids[: req.kv_len])
         else:
             self.cache.free_req(req.row)
-        self._freed_rows.append(req.row)
         req.row = None
         req.kv_len = 0
-
-    def queue_table_write(self, write: TableWrite) -> None:
-        self._table_writes.append(write)
+        req.sent_sampling = None
 
     def take_early_outputs(self) -> list[RequestOutput]:
         """Requests that ended while a step was being formed (no room to grow)."""
@@ -210,11 +204,7 @@ class Scheduler:
 
     def _cache_chunk(self, req: Request) -> None:
         assert req.row is not None
-        old = self.cache.cached_len(req.row)
-        new = self.cache.cache_unfinished_req(req.row, req.fill_ids[: req.kv_len])
-        if new > old:
-            slots = self.cache.req_to_token.read(req.row, old, new).copy()
-            self._table_writes.append(TableWrite(req.row, old, slots))
+        self.cache.cache_unfinished_req(req.row, req.fill_ids[: req.kv_len])
 
     def _append_token(self, req: Request, result: StepResult, i: int) -> RequestOutput:
         token = int(result.next_token_ids[i])

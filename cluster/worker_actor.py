@@ -19,12 +19,15 @@ import dataclasses
 import socket
 import threading
 import traceback
+from typing import TYPE_CHECKING
 
 import ray
 
 from raydix.workers.config import WorkerConfig
 from raydix.workers.step import StepPlan, StepResult
-from raydix.workers.worker import TPWorker
+
+if TYPE_CHECKING:
+    from raydix.workers.worker import TPWorker
 
 MAX_CONCURRENCY = 4  # start or step, health, plus headroom for shutdown
 
@@ -68,6 +71,8 @@ class WorkerActor:
         if config.device.startswith("cuda"):
             # Ray shows the actor only its own GPU, which is always cuda:0 here
             config = dataclasses.replace(config, device="cuda")
+        from raydix.workers.worker import TPWorker  # the model stack loads in the actor only
+
         self._worker = TPWorker(config, rendezvous=rendezvous)
         if self.tp_rank != 0:
             self._follow_thread = threading.Thread(target=self._follow, daemon=True,

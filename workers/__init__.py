@@ -6,39 +6,41 @@ What the engine uses:
   page size, table size, pool sizing settings;
 - `TPWorker(config, rendezvous)`: rank 0 calls `step(plan) -> StepResult` per step, other ranks
   call `follow()`; `max_num_tokens` tells the engine how many KV slots (pages * page_size) exist;
-- the step protocol in `step`: `StepPlan` (built with `StepPlan.build` from `ScheduledRequest`s,
-  `TableWrite`s and freed rows), `SamplingParams`, `StepResult`;
+- the step protocol in `step` (numpy only, no torch): `StepPlan` (built with `StepPlan.build`
+  from `ScheduledRequest`s, `TableWrite`s and freed rows), `SamplingParams`, `StepResult`;
 - `default_model_folder()`: SmolLM2-135M-Instruct converted once from its packaged GGUF.
+
+Names are loaded on first use, so importing `raydix.workers.step` (the control plane does)
+does not load torch or the model stack.
 """
 
-from .config import ModelConfig, WorkerConfig
-from .gguf_convert import convert_gguf, default_model_folder
-from .pool_sizing import profile_max_num_tokens
-from .runner import ModelRunner
-from .step import (
-    GREEDY,
-    SamplingParams,
-    ScheduledRequest,
-    StepPlan,
-    StepResult,
-    TableWrite,
-    broadcast_plan,
-)
-from .worker import TPWorker
+from __future__ import annotations
 
-__all__ = [
-    "GREEDY",
-    "ModelConfig",
-    "ModelRunner",
-    "SamplingParams",
-    "ScheduledRequest",
-    "StepPlan",
-    "StepResult",
-    "TPWorker",
-    "TableWrite",
-    "WorkerConfig",
-    "broadcast_plan",
-    "convert_gguf",
-    "default_model_folder",
-    "profile_max_num_tokens",
-]
+import importlib
+from typing import Any
+
+_WHERE = {
+    "GREEDY": "step",
+    "SamplingParams": "step",
+    "ScheduledRequest": "step",
+    "StepPlan": "step",
+    "StepResult": "step",
+    "TableWrite": "step",
+    "ModelConfig": "config",
+    "WorkerConfig": "config",
+    "broadcast_plan": "broadcast",
+    "convert_gguf": "gguf_convert",
+    "default_model_folder": "gguf_convert",
+    "profile_max_num_tokens": "pool_sizing",
+    "ModelRunner": "runner",
+    "TPWorker": "worker",
+}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{module}", __name__), name)

@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch loads with the model stack, not with the control plane's configs
+    import torch
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                            "Qwen3ForCausalLM")
@@ -157,6 +159,8 @@ class WorkerConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         """The dtype, except for `dtype_measured` (the runner measures it; fp32 here)."""
+        import torch
+
         if self.dtype is None or self.dtype == "auto":
             return torch.bfloat16 if self.device.startswith("cuda") else torch.float32
         dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -16,10 +16,12 @@ penalties take none. One step's bookkeeping is two scatter ops whatever the batc
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import torch
 
-from .step import StepPlan
+from .step import SamplingParams, StepPlan
 
 
 class PenaltyTracker:
@@ -65,14 +67,16 @@ class PenaltyTracker:
         if entries:
             self._add(np.concatenate(entries), np.concatenate(tokens), np.concatenate(output))
 
-    def apply(self, logits: torch.Tensor, plan: StepPlan) -> torch.Tensor:
-        """`logits` [B, V] (float32) with each penalised request's penalties applied."""
+    def apply(self, logits: torch.Tensor, plan: StepPlan,
+              sampling: Sequence[SamplingParams]) -> torch.Tensor:
+        """`logits` [B, V] (float32) with each penalised request's penalties applied;
+        `sampling`: the batch's settings, in plan order."""
         # only penalised requests hold an entry
         picked = [(i, entry) for i, row in enumerate(plan.row_idx.tolist())
                   if (entry := self._entry.get(row)) is not None]
         if not picked:
             return logits
-        params = [plan.sampling[i] for i, _ in picked]
+        params = [sampling[i] for i, _ in picked]
         batch_rows = torch.tensor([i for i, _ in picked], device=self.device)
         entries = torch.tensor([e for _, e in picked], device=self.device)
 

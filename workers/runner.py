@@ -33,6 +33,7 @@ from .pool_sizing import (
 )
 from .req_table import RequestTable, to_device
 from .sampler import Sampler
+from .sampling_table import SamplingTable
 from .step import StepPlan, StepResult
 from .warmup import WarmUpResult, warm_up
 
@@ -95,6 +96,7 @@ class ModelRunner:
             mc.head_dim)
         self.sampler = Sampler(self.device)
         self.penalties = PenaltyTracker(mc.vocab_size, self.device)  # driving rank only
+        self.sampling_table = SamplingTable()  # driving rank only
         self.warm_up: WarmUpResult | None = None
         if config.warm_up:  # before the graphs: eager kernels compile first, then are captured
             self.warm_up = warm_up(self.model, self.backend, self.req_to_token, self.device)
@@ -158,10 +160,14 @@ class ModelRunner:
         """Raise ValueError for a plan outside the table or the pool. The driving rank calls
         this before broadcasting, so a bad plan never reaches the followers."""
         self.table.check(plan)
+        if self.config.tp_rank == 0:
+            self.sampling_table.check(plan)
 
     @torch.inference_mode()
     def step(self, plan: StepPlan) -> StepResult | None:
         """Apply the plan's table diffs, run the forward, and (rank 0) sample."""
+        if self.config.tp_rank == 0:
+            self.sampling_table.check(plan)
         if plan.batch_size == 0:
             self.table.check(plan)
             self.table.apply(plan)
@@ -170,13 +176,14 @@ class ModelRunner:
         if self.config.tp_rank != 0:
             return None
         self.penalties.update(plan)  # freed rows too: an empty plan may carry them
+        sampling = self.sampling_table.update(plan)
         if plan.batch_size == 0:
             return self._empty_result(plan)
         seq_lens = plan.prefix_lens.astype(np.int64) + plan.extend_lens
         adjust = None
         if self.penalties.num_tracked:
-            adjust = functools.partial(self.penalties.apply, plan=plan)
-        out = self.sampler.sample(logits, plan.sampling, seq_lens, adjust)
+            adjust = functools.partial(self.penalties.apply, plan=plan, sampling=sampling)
+        out = self.sampler.sample(logits, sampling, seq_lens, adjust)
         rows = [out.token_ids.double()[None]]  # token ids are exact in float64
         if out.logprobs is not None:
             rows.append(out.logprobs.double()[None])
@@ -186,13 +193,13 @@ class ModelRunner:
         token_ids = host[0].astype(np.int64)
         logprobs = top_ids = top_logprobs = None
         if out.logprobs is not None:
-            asked = np.array([p.return_logprob or p.top_logprobs > 0 for p in plan.sampling])
+            asked = np.array([p.return_logprob or p.top_logprobs > 0 for p in sampling])
             logprobs = np.where(asked, host[1], np.nan).astype(np.float32)
         if out.top is not None:
             k = out.top[0].shape[1]
             top_logprobs = host[2: 2 + k].T.astype(np.float32)
             top_ids = host[2 + k: 2 + 2 * k].T.astype(np.int64)
-        stopped = np.array([int(t) in p.stop_token_ids for t, p in zip(token_ids, plan.sampling,
+        stopped = np.array([int(t) in p.stop_token_ids for t, p in zip(token_ids, sampling,
                                                                         strict=True)], dtype=bool)
         return StepResult(plan.step_id, token_ids, logprobs, stopped, top_ids, top_logprobs)
 

@@ -10,14 +10,21 @@ what changed:
 - `penalty_starts`: for a request with repetition, frequency or presence penalties, when it
   takes a request row: its prompt length and the tokens of its cached prefix, which no step
   carries (penalties.py rebuilds each such request's tokens from there);
+- `new_sampling`: a row's `SamplingParams`, sent once when a request takes the row (and again
+  only if they change, e.g. when `min_new_tokens` stops banning EOS); the driving rank keeps
+  them per row until the row is freed (`sampling_table.py`);
 - the batch itself, packed in request order: row, prefix length and new token ids per request,
   and the slot (`out_cache_loc`) for each new token. The worker writes these slots into the table
   at positions prefix_len .. prefix_len + extend_len - 1 before the forward, so the engine does
   not repeat them in `table_writes`.
 
 Rank 0 (the driving rank) answers with a `StepResult`; the other ranks run the same step and
-return nothing. `broadcast_plan` moves a plan from the driving rank to the others over the CPU
-process group.
+return nothing. `broadcast.broadcast_plan` moves a plan from the driving rank to the others over
+the CPU process group.
+
+This module is the control plane's side of the workers: it imports numpy only, never torch,
+so the scheduler, the cache, the router and the HTTP ingress load without the model stack
+(`tests/test_layers.py` checks it).
 """
 
 from __future__ import annotations
@@ -27,9 +34,6 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
-import torch.distributed as dist
-
-from .parallel import TPGroup
 
 MAX_TOP_LOGPROBS = 20
 
@@ -106,6 +110,14 @@ class PenaltyStart:
 
 
 @dataclass(frozen=True)
+class RowSampling:
+    """From this step on, request row `row_idx` samples with `sampling`."""
+
+    row_idx: int
+    sampling: SamplingParams
+
+
+@dataclass(frozen=True)
 class ScheduledRequest:
     """One request's part of a step, before packing (a convenience for building plans)."""
 
@@ -113,7 +125,8 @@ class ScheduledRequest:
     prefix_len: int  # tokens of this request already in the pool (cached prefix + earlier chunks)
     input_ids: Sequence[int]  # the new tokens: a prompt chunk (extend) or one token (decode)
     out_cache_loc: Sequence[int]  # one slot per new token
-    sampling: SamplingParams = GREEDY
+    # sent with this step (a new row, or a change); None: the row's last ones still hold
+    sampling: SamplingParams | None = GREEDY
 
 
 @dataclass(frozen=True)
@@ -130,7 +143,7 @@ class StepPlan:
     extend_lens: np.ndarray  # [B] int32 (1 for decode)
     input_ids: np.ndarray  # [T] int64
     out_cache_loc: np.ndarray  # [T] int32
-    sampling: tuple[SamplingParams, ...]  # [B]
+    new_sampling: tuple[RowSampling, ...] = ()
     table_writes: tuple[TableWrite, ...] = ()
     freed_rows: tuple[int, ...] = ()
     penalty_starts: tuple[PenaltyStart, ...] = ()
@@ -140,8 +153,6 @@ class StepPlan:
         num_requests = len(self.row_idx)
         if len(self.prefix_lens) != num_requests or len(self.extend_lens) != num_requests:
             raise ValueError("row_idx, prefix_lens and extend_lens must have one entry per request")
-        if len(self.sampling) != num_requests:
-            raise ValueError(f"{len(self.sampling)} sampling params for {num_requests} requests")
         num_tokens = int(np.sum(self.extend_lens))
         if len(self.input_ids) != num_tokens or len(self.out_cache_loc) != num_tokens:
             raise ValueError(f"input_ids ({len(self.input_ids)}) and out_cache_loc "
@@ -173,7 +184,8 @@ class StepPlan:
             out_cache_loc=np.concatenate(
                 [np.asarray(r.out_cache_loc, dtype=np.int32) for r in requests])
             if requests else np.zeros(0, dtype=np.int32),
-            sampling=tuple(r.sampling for r in requests),
+            new_sampling=tuple(RowSampling(r.row_idx, r.sampling) for r in requests
+                               if r.sampling is not None),
             table_writes=tuple(table_writes),
             freed_rows=tuple(freed_rows),
             penalty_starts=tuple(penalty_starts),
@@ -182,7 +194,7 @@ class StepPlan:
     @classmethod
     def shutdown_plan(cls, step_id: int = -1) -> StepPlan:
         return cls(step_id, np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros(0, np.int32),
-                   np.zeros(0, np.int64), np.zeros(0, np.int32), (), shutdown=True)
+                   np.zeros(0, np.int64), np.zeros(0, np.int32), shutdown=True)
 
 
 class StepResult(NamedTuple):
@@ -200,17 +212,3 @@ class StepResult(NamedTuple):
     # step, likeliest first; None when nobody asked
     top_ids: np.ndarray | None = None  # int64
     top_logprobs: np.ndarray | None = None  # float32
-
-
-def broadcast_plan(plan: StepPlan | None, group: TPGroup, src: int = 0) -> StepPlan:
-    """Send `plan` from rank `src` to every rank of `group` (over its CPU group); every rank
-    returns the plan. Other ranks pass None."""
-    if group.tp_size == 1:
-        if plan is None:
-            raise ValueError("a single rank must pass its own plan")
-        return plan
-    box: list[StepPlan | None] = [plan if group.tp_rank == src else None]
-    dist.broadcast_object_list(box, src=src, group=group.cpu_group)
-    if box[0] is None:
-        raise RuntimeError(f"rank {src} broadcast no plan")
-    return box[0]

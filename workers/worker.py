@@ -7,11 +7,12 @@ plan arrives. The engine calls only rank 0 per step, so there is no per-rank rou
 
 from __future__ import annotations
 
+from .broadcast import broadcast_plan
 from .config import WorkerConfig
 from .device import bind_device
 from .parallel import TPGroup, init_tp_group
 from .runner import ModelRunner
-from .step import StepPlan, StepResult, broadcast_plan
+from .step import StepPlan, StepResult
 
 
 class TPWorker:

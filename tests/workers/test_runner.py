@@ -8,18 +8,18 @@ import numpy as np
 import pytest
 import torch
 
+from raydix.workers.broadcast import broadcast_plan
 from raydix.workers.config import ModelConfig, WorkerConfig
 from raydix.workers.parallel import SINGLE_RANK, HeadShard, head_shard
 from raydix.workers.pool_sizing import kv_cell_size, profile_max_num_tokens
 from raydix.workers.runner import ModelRunner
 from raydix.workers.step import (
-    GREEDY,
     PenaltyStart,
+    RowSampling,
     SamplingParams,
     ScheduledRequest,
     StepPlan,
     TableWrite,
-    broadcast_plan,
 )
 
 from .conftest import TinyModel
@@ -127,11 +127,12 @@ def test_plan_validation_and_pickling() -> None:
         StepPlan.build(0, [ScheduledRequest(0, 0, [1, 2], [4])])
     with pytest.raises(ValueError, match="sum\\(extend_lens\\)"):
         StepPlan(0, np.array([0], np.int32), np.array([0], np.int32), np.array([2], np.int32),
-                 np.array([1], np.int64), np.array([4], np.int32), (GREEDY,))
+                 np.array([1], np.int64), np.array([4], np.int32))
     plan = StepPlan.build(7, [ScheduledRequest(0, 3, [9], [11], SamplingParams(seed=3))],
                           freed_rows=[2])
     back = pickle.loads(pickle.dumps(plan))
-    assert back.step_id == 7 and back.freed_rows == (2,) and back.sampling == plan.sampling
+    assert back.step_id == 7 and back.freed_rows == (2,) and back.new_sampling == plan.new_sampling
+    assert plan.new_sampling == (RowSampling(0, SamplingParams(seed=3)),)
     assert back.input_ids.tolist() == [9] and back.out_cache_loc.tolist() == [11]
     assert broadcast_plan(plan, SINGLE_RANK) is plan
 

@@ -16,9 +16,10 @@ import numpy as np
 import torch
 import torch.multiprocessing as mp
 
+from raydix.workers.broadcast import broadcast_plan
 from raydix.workers.config import WorkerConfig
 from raydix.workers.parallel import init_tp_group
-from raydix.workers.step import GREEDY, ScheduledRequest, StepPlan, broadcast_plan
+from raydix.workers.step import GREEDY, ScheduledRequest, StepPlan
 from raydix.workers.worker import TPWorker
 
 from .driver import run_greedy, scenario
