@@ -25,7 +25,7 @@ class SchedulerConfig:
     min_new_token_ratio: float = 0.1
     new_token_ratio_decay: float = 0.002
     max_lpm_waiting: int = 128  # above this many waiting requests, lpm falls back to fcfs
-    in_batch_prefix_threshold: int = 32  # 0: off; see cluster/prefill.py
+    in_batch_prefix_threshold: int = 32  # 0: off; see cluster/admission.py
 
     def __post_init__(self) -> None:
         if self.schedule_policy not in SCHEDULE_POLICIES:

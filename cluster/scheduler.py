@@ -18,11 +18,11 @@ import numpy as np
 from raydix.cache import CacheConfig, EventSink, KVCacheManager
 from raydix.workers.step import StepPlan, StepResult
 
+from .admission import Admitted, DecodeReserve, schedule_prefill
 from .batch import ScheduledBatch
 from .config import SchedulerConfig
 from .metrics import SchedulerStats
 from .policy import order_waiting
-from .prefill import schedule_prefill
 from .request import FinishReason, Request, RequestOutput, Status
 
 logger = logging.getLogger(__name__)
@@ -110,9 +110,9 @@ class Scheduler:
         if self.config.enable_mixed_batch:
             if decoding:
                 self._schedule_decode(batch, decoding)
-            schedule_prefill(self, batch, prefilling, self._retracted_now)
+            self._schedule_prefill(batch, prefilling)
         else:  # prefill steps come first; decode runs when no prompt can go
-            schedule_prefill(self, batch, prefilling, self._retracted_now)
+            self._schedule_prefill(batch, prefilling)
             if not batch.requests and decoding:
                 self._schedule_decode(batch, decoding)
         self._retracted_now = set()
@@ -128,6 +128,25 @@ class Scheduler:
             self.new_token_ratio - self.config.new_token_ratio_decay,
         )
         return batch, plan
+
+    def _schedule_prefill(self, batch: ScheduledBatch, prefilling: list[Request]) -> None:
+        reserve = DecodeReserve(sum(r.remaining_new_tokens for r in self.running),
+                                self.new_token_ratio)
+        admitted = schedule_prefill(self.config, self.cache, batch, prefilling,
+                                    self.ordered_waiting(), self._retracted_now, reserve)
+        for entry in admitted:
+            self._admit(entry)
+
+    def _admit(self, entry: Admitted) -> None:
+        """A waiting request took its request row: it runs from now on."""
+        req = entry.request
+        if not req.admitted_once:
+            req.cached_tokens = entry.cached_len
+            req.admitted_once = True
+            self.stats.record_admission(len(req.prompt_ids), entry.cached_len)
+        req.status = Status.RUNNING
+        self.waiting.remove(req)
+        self.running.append(req)
 
     def _schedule_decode(self, batch: ScheduledBatch, decoding: list[Request]) -> None:
         """One slot per decoding request; retract the least advanced while the pool is short."""
@@ -180,10 +199,6 @@ class Scheduler:
         return order_waiting(
             self.waiting, self.config.schedule_policy, self.cache, self.config.max_lpm_waiting
         )
-
-    def reserved_decode_tokens(self) -> int:
-        """Memory held back for the running requests' future tokens."""
-        return int(sum(r.remaining_new_tokens for r in self.running) * self.new_token_ratio)
 
     # --------------------------------------------------------------------------- results
     def process(self, batch: ScheduledBatch, result: StepResult) -> list[RequestOutput]:

@@ -9,48 +9,76 @@ split into chunks of at most ``chunked_prefill_size`` tokens.
 A waiting request whose prompt shares at least ``in_batch_prefix_threshold`` more tokens with a
 prompt being computed right now (admitted this step, or mid-prefill) than with the cache waits
 one step: computing that prefix twice would waste the step, and next step it is a cache hit.
+
+Admission takes request rows and slots from the cache manager and adds the chunks to the batch;
+it returns the requests it admitted and leaves the scheduler's queues and counters to the
+scheduler.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
-from raydix.cache import RadixCache
+from raydix.cache import KVCacheManager, RadixCache
 
 from .batch import ScheduledBatch
-from .request import Request, Status
+from .config import SchedulerConfig
+from .request import Request
 
-if TYPE_CHECKING:
-    from .scheduler import Scheduler
+
+class Admitted(NamedTuple):
+    """A waiting request that took a request row this step, with its prefix-cache hit."""
+
+    request: Request
+    cached_len: int
+
+
+@dataclass(frozen=True)
+class DecodeReserve:
+    """Memory held back for the running requests' future tokens: their remaining new tokens,
+    times the scheduler's current new-token ratio (requests admitted now count too)."""
+
+    remaining_new_tokens: int  # over the running requests
+    new_token_ratio: float
+
+    def tokens(self, admitted_remaining: int) -> int:
+        return int((self.remaining_new_tokens + admitted_remaining) * self.new_token_ratio)
 
 
 def schedule_prefill(
-    sched: Scheduler, batch: ScheduledBatch, prefilling: list[Request], retracted: set[str]
-) -> None:
-    config = sched.config
-    cache = sched.cache
+    config: SchedulerConfig,
+    cache: KVCacheManager,
+    batch: ScheduledBatch,
+    prefilling: Sequence[Request],
+    waiting: Sequence[Request],
+    retracted: set[str],
+    reserve: DecodeReserve,
+) -> list[Admitted]:
+    """Add running prompts' next chunks, then admit from `waiting` (in policy order)."""
     budget = config.max_prefill_tokens - batch.num_tokens
     # only waiting requests can be held back, so the in-flight tree is built only for them
-    in_flight = (
-        RadixCache(page_size=1) if config.in_batch_prefix_threshold and sched.waiting else None
-    )
+    in_flight = RadixCache(page_size=1) if config.in_batch_prefix_threshold and waiting else None
     for req in prefilling:
         _note_in_flight(in_flight, req)
         if budget <= 0:
-            return
+            return []
         assert req.row is not None
         num = min(req.fill_len - req.kv_len, config.chunked_prefill_size, budget)
         slots = cache.alloc_slots(req.row, num)
         if slots is None:
-            return
+            return []
         batch.add(req, num, slots)
         budget -= num
 
-    for req in sched.ordered_waiting():
+    admitted: list[Admitted] = []
+    admitted_remaining = 0
+    for req in waiting:
         if budget <= 0 or cache.req_to_token.available_size() == 0:
-            return
+            break
         if req.rid in retracted:
             continue
         fill_ids = req.fill_ids
@@ -64,7 +92,7 @@ def schedule_prefill(
         room = (
             cache.available_size()
             - cache.prefix_cache.evictable_len(match.handle)
-            - sched.reserved_decode_tokens()
+            - reserve.tokens(admitted_remaining)
         )
         num = min(
             extend_len,
@@ -73,26 +101,22 @@ def schedule_prefill(
             room // config.page_size * config.page_size,
         )
         if num <= 0:
-            return  # no memory for even one page: wait for running requests to finish
+            break  # no memory for even one page: wait for running requests to finish
         row = cache.alloc_req(match, req.params.extra_key)
         if row is None:
-            return
+            break
         slots = cache.alloc_slots(row, num)
         if slots is None:
             cache.free_req(row)
-            return
+            break
         req.row = row
         req.kv_len = match.cached_len
-        if not req.admitted_once:
-            req.cached_tokens = match.cached_len
-            req.admitted_once = True
-            sched.stats.record_admission(len(req.prompt_ids), match.cached_len)
-        req.status = Status.RUNNING
-        sched.waiting.remove(req)
-        sched.running.append(req)
+        admitted.append(Admitted(req, match.cached_len))
+        admitted_remaining += req.remaining_new_tokens
         batch.add(req, num, slots, admitted=True)
         budget -= num
         _note_in_flight(in_flight, req)
+    return admitted
 
 
 def _note_in_flight(in_flight: RadixCache | None, req: Request) -> None:
