@@ -132,7 +132,8 @@ def run_transformers(model: torch.nn.Module, work: Workload, batch_size: int) ->
             ids[i, width - len(p):] = torch.tensor(p)
             mask[i, width - len(p):] = 1
         marker = _FirstStep()
-        model.generate(ids, attention_mask=mask, max_new_tokens=max(wanted),
+        model.generate(ids.to(model.device), attention_mask=mask.to(model.device),
+                       max_new_tokens=max(wanted),
                        min_new_tokens=max(wanted), do_sample=False, pad_token_id=0,
                        logits_processor=LogitsProcessorList([marker]))
         assert marker.at is not None

@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
 # Every check that needs a CUDA machine, in one command (run from the repository root):
-#   1. the flashinfer backend and CUDA-graph decode against the torch backend (pytest -m gpu);
-#   2. decode speed with flashinfer + CUDA graphs as a fraction of the memory-bandwidth floor,
-#      for a ~1B-parameter Llama (random weights, TinyLlama-1.1B's shape) and the default model.
-# Results go to $OUT when it is set (else ./gpu-check): the pytest log and the benchmark's JSON.
+#   1. the GPU tests (pytest -m gpu): flashinfer and CUDA-graph decode against the torch backend;
+#      serve's default config builds the fast path; the KV pool leaves the headroom it promises;
+#      the warm-up compiles the kernels before the engine is ready;
+#   2. the engine as `raydix serve` builds it by default (benchmarks/gpu_bench.py), beside
+#      transformers: decode-heavy (1, 16, 64 streams), shared-prefix and mixed workloads, the
+#      decode step's time split and the share of the memory-bandwidth floor at batch 1, for a
+#      ~1B Llama (random weights, TinyLlama-1.1B's shape) and the default model;
+#   3. the worker-level floor report (benchmarks/worker_bench.py).
+# Results go to $OUT when it is set (else ./gpu-check): logs, JSON and markdown tables.
 #
-# It uses the Python environment it finds: torch with CUDA, transformers, safetensors, pytest
-# and flashinfer (`make setup` on a CUDA host installs them all). On a machine without internet,
-# bring what is missing as wheels and put them on PYTHONPATH first, e.g. flashinfer-python and
-# its needs from `pip download --no-deps --only-binary=:all: --platform manylinux_2_28_x86_64`.
-# This checkout is installed without dependencies if `raydix` does not import yet.
+# It uses the Python environment it finds (`make setup` on a CUDA host installs everything). On a
+# machine without a package index: here, `bash benchmarks/gpu_prepare.sh`; there, `. .gpu/device-setup.sh`
+# first. This checkout is installed without dependencies if `raydix` does not import yet.
 # PYTHON picks another interpreter.
 set -euo pipefail
 PYTHON=${PYTHON:-python3}
@@ -22,10 +25,14 @@ fi
 "$PYTHON" -c 'import torch, flashinfer; assert torch.cuda.is_available(), "no CUDA device"
 print("torch", torch.__version__, "flashinfer", flashinfer.__version__, torch.cuda.get_device_name())'
 status=0
-"$PYTHON" -m pytest -m gpu tests/workers/test_gpu.py -v -p no:cacheprovider 2>&1 \
-  | tee "$out/pytest-gpu.log" || status=1
+"$PYTHON" -m pytest -m gpu tests/workers/test_gpu.py tests/workers/test_gpu_defaults.py -v \
+  -p no:cacheprovider 2>&1 | tee "$out/pytest-gpu.log" || status=1
+for model in "--synthetic llama-1b" ""; do
+  name=${model:+llama-1b}; name=${name:-default}
+  # shellcheck disable=SC2086
+  "$PYTHON" benchmarks/gpu_bench.py $model --json "$out/gpu-bench-$name.json" 2>&1 \
+    | tee "$out/gpu-bench-$name.log" || status=1
+done
 "$PYTHON" benchmarks/worker_bench.py --skip-cpu --synthetic llama-1b \
   --json "$out/worker-bench-llama-1b.json" 2>&1 | tee "$out/worker-bench-llama-1b.log" || status=1
-"$PYTHON" benchmarks/worker_bench.py --skip-cpu \
-  --json "$out/worker-bench-default.json" 2>&1 | tee "$out/worker-bench-default.log" || status=1
 exit $status

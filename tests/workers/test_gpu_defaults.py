@@ -1,0 +1,95 @@
+"""CUDA only: what `raydix serve` builds by default on a GPU is the fast path, its KV pool
+leaves the headroom it promises, and its kernels are compiled before it says it is ready."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from raydix.cluster.engine import Engine
+from raydix.cluster.request import GenerationParams
+from raydix.deploy.config import AppConfig, engine_config
+from raydix.workers.runner import ModelRunner
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    pytest.importorskip("flashinfer")
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=1024, initializer_range=0.1)
+    path = tmp_path_factory.mktemp("gpu-defaults") / "llama"
+    LlamaForCausalLM(config).save_pretrained(path)  # head_dim 64: a precompiled flashinfer size
+    return path
+
+
+def serve_engine(folder: Path, **options: object) -> Engine:
+    app = AppConfig(model=str(folder), max_context_len=1024, **options)  # type: ignore[arg-type]
+    return Engine(engine_config(app, str(folder), "cuda"))
+
+
+def runner_of(engine: Engine) -> ModelRunner:
+    return engine.executor.worker.runner  # type: ignore[attr-defined, no-any-return]
+
+
+def test_serve_defaults_build_the_fast_path(folder: Path) -> None:
+    from raydix.workers.attention.flashinfer_backend import FlashInferAttentionBackend
+
+    engine = serve_engine(folder, mem_fraction_static=0.5)
+    runner = runner_of(engine)
+    assert runner.device == torch.device("cuda", torch.cuda.current_device())
+    assert isinstance(runner.backend, FlashInferAttentionBackend)
+    assert runner.dtype == torch.bfloat16
+    graphs = runner.graph_runner
+    assert graphs is not None and graphs.max_batch == engine.config.scheduler.max_running_requests
+    replays = 0
+    replay = graphs.replay
+
+    def counted(batch: object) -> torch.Tensor:
+        nonlocal replays
+        replays += 1
+        return replay(batch)  # type: ignore[arg-type]
+
+    graphs.replay = counted  # type: ignore[method-assign]
+    outs = engine.generate([[1, 5, 9, 13] * 8] * 40, GenerationParams(max_new_tokens=6,
+                                                                      ignore_eos=True))
+    assert [len(o) for o in outs] == [6] * 40
+    assert replays >= 5  # every decode step of the 40 requests replayed a graph
+    engine.shutdown()
+
+
+def test_pool_leaves_the_promised_headroom(folder: Path) -> None:
+    # mem_fraction_static 0.99 keeps ~1% free: the headroom estimate, not the fraction, rules
+    engine = serve_engine(folder, mem_fraction_static=0.99, max_prefill_tokens=4096,
+                          chunked_prefill_size=4096, max_running_requests=32)
+    runner = runner_of(engine)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    prompts = [list(range(3, 3 + 1000 + i)) for i in range(4)]  # ~4,000 prompt tokens in a step
+    engine.generate(prompts + [[7, 8, 9]] * 28, GenerationParams(max_new_tokens=4,
+                                                                  ignore_eos=True))
+    torch.cuda.synchronize()
+    used = torch.cuda.max_memory_allocated() - base
+    assert used <= runner.headroom.activations + runner.headroom.cuda_graphs, (
+        used, runner.headroom)
+    engine.shutdown()
+
+
+def test_kernels_are_ready_before_the_engine_is(folder: Path) -> None:
+    engine = serve_engine(folder, mem_fraction_static=0.5, max_running_requests=8)
+    runner = runner_of(engine)
+    assert runner.warm_up is not None and runner.warm_up.phases == ("prefill", "decode")
+    # a first request of a new length pays no compile (tens of seconds cold) and no first plan
+    start = time.perf_counter()
+    engine.generate([[2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]], GenerationParams(max_new_tokens=3))
+    assert time.perf_counter() - start < 2.0
+    engine.shutdown()
