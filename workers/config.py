@@ -10,23 +10,35 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # torch loads with the model stack, not with the control plane's configs
     import torch
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                           "Qwen3ForCausalLM")
-
 
 @dataclass(frozen=True)
-class RopeScaling:
-    """Llama-3 style frequency scaling (`rope_type == "llama3"`)."""
+class RopeConfig:
+    """Rotary embedding of one kind of layer, with its scaling (`rope_type`, as transformers
+    names it): default, linear, dynamic, yarn, longrope or llama3. Fields a type does not use
+    keep their defaults; `factor` and `original_max_position_embeddings` are resolved."""
 
-    factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
+    rope_type: str = "default"
+    theta: float = 10000.0
+    partial_rotary_factor: float = 1.0  # rotate only the first fraction of each head
+    factor: float = 1.0
+    original_max_position_embeddings: int = 0  # dynamic, yarn, longrope, llama3
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    beta_fast: float = 32.0  # yarn
+    beta_slow: float = 1.0  # yarn
+    mscale: float = 0.0  # yarn (DeepSeek)
+    mscale_all_dim: float = 0.0  # yarn (DeepSeek)
+    truncate: bool = True  # yarn
+    attention_factor: float = 1.0  # yarn, longrope: scales cos and sin
+    short_factor: tuple[float, ...] = ()  # longrope
+    long_factor: tuple[float, ...] = ()  # longrope
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The parts of a Hugging Face `config.json` that the worker needs."""
+    """What the worker needs of a Hugging Face `config.json`, read through transformers' own
+    config class and checked field by field (`models/registry.py`): a field that changes the
+    forward is either here or refused at load."""
 
     architecture: str
     vocab_size: int
@@ -37,63 +49,42 @@ class ModelConfig:
     num_kv_heads: int
     head_dim: int
     rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: RopeScaling | None
+    hidden_act: str  # the MLP's activation: "silu" or "gelu_pytorch_tanh"
+    rope: RopeConfig  # every layer's rotary embedding, or the full-attention layers' (Gemma 3)
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool  # bias on q/k/v (Qwen2)
-    qk_norm: bool  # RMSNorm on q and k per head (Qwen3)
     eos_token_ids: tuple[int, ...]
+    # per layer: how many positions a query sees (itself and window - 1 before it); 0 = all
+    layer_windows: tuple[int, ...]
+    qkv_bias: bool = False  # bias on q/k/v (Qwen2, Llama's attention_bias)
+    o_bias: bool = False  # bias on o_proj (Llama's attention_bias)
+    mlp_bias: bool = False  # bias on gate/up/down (Llama's mlp_bias)
+    qk_norm: bool = False  # RMSNorm on q and k per head (Qwen3, Gemma 3)
+    local_rope: RopeConfig | None = None  # the windowed layers' own rotary embedding (Gemma 3)
+    attn_scale: float | None = None  # softmax scale; None: head_dim ** -0.5
+    attn_logit_softcap: float = 0.0  # cap * tanh(score / cap) before the softmax; 0 = off
+    final_logit_softcap: float = 0.0  # the same on the output logits; 0 = off
+
+    def __post_init__(self) -> None:
+        if len(self.layer_windows) != self.num_layers:
+            raise ValueError(f"{len(self.layer_windows)} layer windows for {self.num_layers} "
+                             "layers")
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.attn_scale if self.attn_scale is not None else self.head_dim ** -0.5
+
+    def layer_rope(self, layer_id: int) -> RopeConfig:
+        if self.local_rope is not None and self.layer_windows[layer_id]:
+            return self.local_rope
+        return self.rope
 
     @classmethod
     def from_dict(cls, raw: dict[str, object]) -> ModelConfig:
-        archs = raw.get("architectures") or []
-        if not isinstance(archs, list) or not archs:
-            raise ValueError("config.json has no 'architectures' entry")
-        arch = str(archs[0])
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(
-                f"architecture {arch!r} is not supported; supported: {SUPPORTED_ARCHITECTURES}"
-            )
-        rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-        if not isinstance(rope, dict):
-            raise ValueError(f"rope parameters must be a mapping, got {rope!r}")
-        rope_theta = float(rope.get("rope_theta", raw.get("rope_theta", 10000.0)))
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        scaling = None
-        if rope_type == "llama3":
-            scaling = RopeScaling(
-                factor=float(rope["factor"]),
-                low_freq_factor=float(rope["low_freq_factor"]),
-                high_freq_factor=float(rope["high_freq_factor"]),
-                original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
-            )
-        elif rope_type not in ("default", None):
-            raise ValueError(f"rope_type {rope_type!r} is not supported (default, llama3)")
-        hidden = int(raw["hidden_size"])
-        num_heads = int(raw["num_attention_heads"])
-        head_dim = raw.get("head_dim") or hidden // num_heads
-        eos = raw.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-        is_qwen2 = arch == "Qwen2ForCausalLM"
-        return cls(
-            architecture=arch,
-            vocab_size=int(raw["vocab_size"]),
-            hidden_size=hidden,
-            intermediate_size=int(raw["intermediate_size"]),
-            num_layers=int(raw["num_hidden_layers"]),
-            num_heads=num_heads,
-            num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
-            head_dim=int(head_dim),
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            rope_theta=rope_theta,
-            rope_scaling=scaling,
-            max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            attention_bias=is_qwen2 or bool(raw.get("attention_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
-            eos_token_ids=tuple(int(e) for e in eos_ids),
-        )
+        """Parse a `config.json` mapping; refuses what the models do not implement."""
+        from .models.registry import parse_model_config  # models/ imports this module
+
+        return parse_model_config(raw)
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> ModelConfig:

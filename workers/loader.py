@@ -55,15 +55,16 @@ def load_model(folder: str | Path, config: ModelConfig, group: TPGroup, dtype: t
                 progress.update()
                 if name.endswith(_IGNORED_SUFFIXES):
                     continue
-                source = CheckpointTensor(f.get_slice(name))
-                for target in [name, *model.checkpoint_aliases(name)]:
-                    param_name, shard_id = _map_name(target, model)
-                    if param_name not in params:
-                        raise ValueError(f"checkpoint tensor {name!r} ({path.name}) has no "
-                                         f"matching parameter {param_name!r} in the model")
-                    module = model.get_submodule(param_name.rpartition(".")[0])
-                    module.weight_loader(params[param_name], source, shard_id)
-                    loaded.add(f"{param_name}/{shard_id}")
+                whole = CheckpointTensor(f.get_slice(name))
+                for part, source in model.checkpoint_parts(name, whole):
+                    for target in [part, *model.checkpoint_aliases(part)]:
+                        param_name, shard_id = _map_name(target, model)
+                        if param_name not in params:
+                            raise ValueError(f"checkpoint tensor {name!r} ({path.name}) has no "
+                                             f"matching parameter {param_name!r} in the model")
+                        module = model.get_submodule(param_name.rpartition(".")[0])
+                        module.weight_loader(params[param_name], source, shard_id)
+                        loaded.add(f"{param_name}/{shard_id}")
     progress.close()
     _check_complete(model, loaded)
     return model.eval()

@@ -93,7 +93,7 @@ class ModelRunner:
         self.req_to_token = self.table.table  # [max_running_requests, max_context_len] int32
         self.backend: AttentionBackend = make_backend(
             config.attention_backend, self.kv_pool, self.req_to_token, heads.num_q_heads,
-            mc.head_dim)
+            mc.head_dim, self.model.layer_attention())
         self.sampler = Sampler(self.device)
         self.penalties = PenaltyTracker(mc.vocab_size, self.device)  # driving rank only
         self.sampling_table = SamplingTable()  # driving rank only

@@ -3,13 +3,14 @@ and one spawned 2-rank gloo group reused by every TP=2 test."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 from transformers import (
+    AutoModelForCausalLM,
     AutoTokenizer,
     LlamaConfig,
     LlamaForCausalLM,
@@ -70,6 +71,77 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, TinyModel
         _tiny(kind).save_pretrained(folder, safe_serialization=True, max_shard_size=shard)
         models[kind] = TinyModel(kind, folder, HFReference(folder), prompts)
     return models
+
+
+# one tiny random model per architecture / feature, each with prompts longer than its window
+# (5 or 6) and, with 12 new tokens, positions past the rope scaling's original length (32; for
+# Phi-3's longrope 64, which only the stepwise test crosses: see test_model_features.py)
+_KV2 = dict(TINY, num_key_value_heads=2)
+_ROPE = {"rope_theta": 10000.0}
+FEATURE_CONFIGS: dict[str, tuple[str, dict[str, object]]] = {
+    "llama_bias": ("LlamaConfig", dict(_KV2, attention_bias=True, mlp_bias=True,
+                                       hidden_act="gelu")),
+    "llama_linear": ("LlamaConfig", dict(_KV2, rope_parameters=dict(
+        _ROPE, rope_type="linear", factor=2.0))),
+    "llama_dynamic": ("LlamaConfig", dict(_KV2, max_position_embeddings=32, rope_parameters=dict(
+        _ROPE, rope_type="dynamic", factor=4.0))),
+    "llama_yarn": ("LlamaConfig", dict(_KV2, max_position_embeddings=128, rope_parameters=dict(
+        _ROPE, rope_type="yarn", factor=4.0, original_max_position_embeddings=32))),
+    "mistral": ("MistralConfig", dict(_KV2, sliding_window=5)),
+    "qwen2_swa": ("Qwen2Config", dict(_KV2, use_sliding_window=True, sliding_window=5,
+                                      max_window_layers=1)),
+    "gemma": ("GemmaConfig", dict(TINY, num_key_value_heads=1, head_dim=16)),
+    "gemma2": ("Gemma2Config", dict(_KV2, head_dim=16, sliding_window=5, query_pre_attn_scalar=8,
+                                    attn_logit_softcapping=1.5, final_logit_softcapping=2.0)),
+    "gemma3": ("Gemma3TextConfig", dict(
+        _KV2, head_dim=16, sliding_window=5, query_pre_attn_scalar=8,
+        layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={"sliding_attention": dict(_ROPE, rope_type="default"),
+                         "full_attention": {"rope_type": "linear", "factor": 2.0,
+                                            "rope_theta": 1e6}})),
+    "phi3": ("Phi3Config", dict(_KV2, max_position_embeddings=256,  # crossed in stepwise tests
+                                original_max_position_embeddings=64, sliding_window=6,
+                                pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                                rope_parameters=dict(
+                                    _ROPE, rope_type="longrope", partial_rotary_factor=0.5,
+                                    short_factor=[1.0, 1.2, 1.5, 2.0],
+                                    long_factor=[1.0, 2.0, 4.0, 8.0]))),
+}
+
+
+def _feature_model(name: str) -> torch.nn.Module:
+    import transformers
+
+    config_class, kwargs = FEATURE_CONFIGS[name]
+    config = getattr(transformers, config_class)(**kwargs)
+    torch.manual_seed(4321)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # transformers starts biases at 0 and Gemma's norms at 0: randomize
+        for pname, p in model.named_parameters():
+            if pname.endswith("bias") or "norm" in pname:
+                p.normal_(0.0, 0.3)
+    return model
+
+
+@pytest.fixture(scope="session")
+def feature_models(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], TinyModel]:
+    """Builds (once each, on first use) the tiny model of a `FEATURE_CONFIGS` entry."""
+    root = tmp_path_factory.mktemp("features")
+    gen = torch.Generator().manual_seed(11)
+    shared = torch.randint(3, 250, (20,), generator=gen).tolist()
+    prompts = [shared + torch.randint(3, 250, (8,), generator=gen).tolist(),
+               shared + torch.randint(3, 250, (10,), generator=gen).tolist(),
+               shared[:3] + torch.randint(3, 250, (2,), generator=gen).tolist()]
+    built: dict[str, TinyModel] = {}
+
+    def get(name: str) -> TinyModel:
+        if name not in built:
+            folder = root / name
+            _feature_model(name).save_pretrained(folder, safe_serialization=True)
+            built[name] = TinyModel(name, folder, HFReference(folder), prompts)
+        return built[name]
+
+    return get
 
 
 @dataclass

@@ -13,7 +13,11 @@ The format, as flashinfer 0.7 documents it for `BatchDecodeWithPagedKVCacheWrapp
 - prefill: request i's queries are rows `qo_indptr[i]:qo_indptr[i + 1]` of q; with `causal`, the
   mask is aligned to the end of the KV (query j of n sits at KV position kv_len - n + j);
 - decode: one query row per request;
-- query head h reads KV head h // (num_qo_heads // num_kv_heads); the scale is 1/sqrt(head_dim);
+- query head h reads KV head h // (num_qo_heads // num_kv_heads); the scale is `sm_scale`,
+  1/sqrt(head_dim) when not given;
+- `window_left` w >= 0: the query at KV position i sees keys [i - w, i] only ("the left
+  (inclusive) window size"); -1 is no window;
+- `logits_soft_cap` c > 0: scores become c * tanh(scores / c) before the softmax;
 - with `use_cuda_graph`, the batch size is fixed by the buffers given to the constructor, `plan`
   copies the page tables into them, and `run` (the replayed graph) reads only those buffers.
 """
@@ -34,7 +38,9 @@ def _int32(name: str, t: torch.Tensor) -> torch.Tensor:
 
 class _Tables:
     def __init__(self, indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor,
-                 num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int) -> None:
+                 num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
+                 window_left: int = -1, logits_soft_cap: float | None = None,
+                 sm_scale: float | None = None) -> None:
         self.indptr = _int32("indptr", indptr).cpu()
         self.indices = _int32("indices", indices)
         self.last = _int32("last_page_len", last_page_len).cpu()
@@ -53,6 +59,11 @@ class _Tables:
         self.group = num_qo_heads // num_kv_heads
         self.head_dim = head_dim
         self.page_size = page_size
+        if not isinstance(window_left, int) or window_left < -1:
+            raise ValueError(f"window_left must be an int >= -1, got {window_left!r}")
+        self.window_left = window_left
+        self.soft_cap = logits_soft_cap or 0.0
+        self.scale = sm_scale if sm_scale is not None else 1 / math.sqrt(head_dim)
 
     def kv(self, i: int, cache: tuple[torch.Tensor, torch.Tensor]
            ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,11 +78,16 @@ class _Tables:
         """q [n, Hq, D] over k/v [L, Hk, D] -> [n, Hq, D], in fp32."""
         k = k.float().repeat_interleave(self.group, dim=1)
         v = v.float().repeat_interleave(self.group, dim=1)
-        scores = torch.einsum("nhd,lhd->hnl", q.float(), k) / math.sqrt(self.head_dim)
-        if causal:
-            n, length = q.shape[0], k.shape[0]
-            q_pos = torch.arange(n)[:, None] + (length - n)
-            scores = scores.masked_fill(torch.arange(length)[None, :] > q_pos, float("-inf"))
+        scores = torch.einsum("nhd,lhd->hnl", q.float(), k) * self.scale
+        if self.soft_cap:
+            scores = torch.tanh(scores / self.soft_cap) * self.soft_cap
+        n, length = q.shape[0], k.shape[0]
+        q_pos = torch.arange(n)[:, None] + (length - n)  # decode: the one query is the last
+        kv_pos = torch.arange(length)[None, :]
+        hidden = kv_pos > q_pos if causal else torch.zeros(n, length, dtype=torch.bool)
+        if self.window_left >= 0:
+            hidden = hidden | (kv_pos < q_pos - self.window_left)
+        scores = scores.masked_fill(hidden, float("-inf"))
         return torch.einsum("hnl,lhd->nhd", scores.softmax(-1), v)
 
 
@@ -95,10 +111,13 @@ class BatchDecodeWithPagedKVCacheWrapper:
 
     def plan(self, indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor,
              num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
-             q_data_type: torch.dtype | None = None,
-             kv_data_type: torch.dtype | None = None) -> None:
+             pos_encoding_mode: str = "NONE", window_left: int = -1,
+             logits_soft_cap: float | None = None, q_data_type: torch.dtype | None = None,
+             kv_data_type: torch.dtype | None = None, sm_scale: float | None = None) -> None:
+        attend = dict(window_left=window_left, logits_soft_cap=logits_soft_cap,
+                      sm_scale=sm_scale)
         tables = _Tables(indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim,
-                         page_size)
+                         page_size, **attend)  # type: ignore[arg-type]
         self.plans += 1
         if not self.use_cuda_graph:
             self.tables = tables
@@ -115,7 +134,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         last_buf.copy_(last_page_len)
         # the replayed graph reads the static buffers, never the tensors given here
         self.tables = _Tables(indptr_buf, indices_buf, last_buf, num_qo_heads, num_kv_heads,
-                              head_dim, page_size)
+                              head_dim, page_size, **attend)  # type: ignore[arg-type]
 
     def run(self, q: torch.Tensor, paged_kv_cache: tuple[torch.Tensor, torch.Tensor]
             ) -> torch.Tensor:
@@ -141,10 +160,15 @@ class BatchPrefillWithPagedKVCacheWrapper:
     def plan(self, qo_indptr: torch.Tensor, paged_kv_indptr: torch.Tensor,
              paged_kv_indices: torch.Tensor, paged_kv_last_page_len: torch.Tensor,
              num_qo_heads: int, num_kv_heads: int, head_dim_qk: int, page_size: int,
-             causal: bool = False, q_data_type: torch.dtype | None = None,
+             head_dim_vo: int | None = None, custom_mask: torch.Tensor | None = None,
+             packed_custom_mask: torch.Tensor | None = None, causal: bool = False,
+             pos_encoding_mode: str = "NONE", use_fp16_qk_reduction: bool = False,
+             sm_scale: float | None = None, window_left: int = -1,
+             logits_soft_cap: float | None = None, q_data_type: torch.dtype | None = None,
              kv_data_type: torch.dtype | None = None) -> None:
         self.tables = _Tables(paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
-                              num_qo_heads, num_kv_heads, head_dim_qk, page_size)
+                              num_qo_heads, num_kv_heads, head_dim_qk, page_size, window_left,
+                              logits_soft_cap, sm_scale)
         self.qo_indptr = _int32("qo_indptr", qo_indptr).cpu()
         if len(self.qo_indptr) != len(self.tables.indptr):
             raise ValueError("qo_indptr and paged_kv_indptr disagree on the batch size")

@@ -33,6 +33,26 @@ class HFReference:
         return outs
 
     @torch.inference_mode()
+    def greedy_stepwise(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+        """Greedy tokens with the prompt fed one token at a time through the KV cache, so each
+        position sees the rope transformers gives a sequence of its length (dynamic and
+        longrope scale by the longest position of each forward)."""
+        from transformers import DynamicCache
+
+        outs = []
+        for p in prompts:
+            cache = DynamicCache(config=self.model.config)
+            tokens, out = list(p), []
+            for i in range(len(p) + max_new_tokens - 1):
+                logits = self.model(torch.tensor([[tokens[i]]]), past_key_values=cache,
+                                    position_ids=torch.tensor([[i]]), use_cache=True).logits
+                if i >= len(p) - 1:
+                    tokens.append(int(logits[0, -1].argmax()))
+                    out.append(tokens[-1])
+            outs.append(out)
+        return outs
+
+    @torch.inference_mode()
     def last_logits(self, seqs: list[list[int]]) -> list[np.ndarray]:
         return [self.model(torch.tensor([s])).logits[0, -1].float().numpy() for s in seqs]
 

@@ -10,7 +10,7 @@ backend's on the same weights, whole prompts, chunked prompts and reused prefixe
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
@@ -45,7 +45,8 @@ def _with_flashinfer(runner: ModelRunner) -> FlashInferAttentionBackend:
     torch_backend = runner.backend
     backend = FlashInferAttentionBackend(runner.kv_pool, runner.req_to_token,
                                          torch_backend.num_q_heads,  # type: ignore[attr-defined]
-                                         torch_backend.head_dim)  # type: ignore[attr-defined]
+                                         torch_backend.head_dim,  # type: ignore[attr-defined]
+                                         runner.model.layer_attention())
     runner.backend = backend
     return backend
 
@@ -122,3 +123,25 @@ def test_graph_replay_pads_plans_and_matches_the_torch_backend(
         assert backend.decode_wrapper.plans == 0  # type: ignore[attr-defined]
         replays = sum(w.plans - 1 for w in backend._graph_wrappers.values())  # type: ignore[attr-defined]
         assert replays > 0
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("name", ["mistral", "gemma2", "gemma3"])
+def test_windows_and_soft_caps_give_the_torch_backends_tokens(
+        feature_models: Callable[[str], TinyModel], reference_flashinfer: None, name: str,
+        page_size: int) -> None:
+    """Windowed, soft-capped and rescaled layers get wrappers of their own kind, planned
+    with `window_left`, `logits_soft_cap` and `sm_scale`; eager and graph decode alike."""
+    model = feature_models(name)
+    for mode in ("whole", "chunked", "prefix"):
+        expected = run_greedy(_runner(model, page_size).step,
+                              scenario(mode, model.prompts, 8, page_size), page_size)
+        runner = _runner(model, page_size)
+        backend = _with_flashinfer(runner)
+        assert len(backend.kinds) == (1 if name == "mistral" else 2)
+        assert {a.window for a in backend.kinds} == {5} | ({0} if name != "mistral" else set())
+        if mode == "prefix":  # decode through the graph wrappers of each kind
+            runner.graph_runner = _EagerGraphRunner(runner.model, backend, 8, MAX_CONTEXT,
+                                                    runner.device)
+        got = run_greedy(runner.step, scenario(mode, model.prompts, 8, page_size), page_size)
+        assert got == expected, (name, mode)

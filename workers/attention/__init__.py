@@ -3,26 +3,28 @@
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Sequence
 
 import torch
 
 from ..kv_pool import KVPool
-from .base import AttentionBackend, ForwardBatch
+from .base import AttentionBackend, ForwardBatch, LayerAttention
 from .torch_backend import TorchAttentionBackend
 
 
 def make_backend(name: str, pool: KVPool, req_to_token: torch.Tensor, num_q_heads: int,
-                 head_dim: int) -> AttentionBackend:
+                 head_dim: int, layers: Sequence[LayerAttention] | None = None
+                 ) -> AttentionBackend:
     """The backend called `name` ("torch" or "flashinfer"); flashinfer is imported only here."""
     if name == "torch":
-        return TorchAttentionBackend(pool, req_to_token, num_q_heads, head_dim)
+        return TorchAttentionBackend(pool, req_to_token, num_q_heads, head_dim, layers)
     if name == "flashinfer":
         if req_to_token.device.type != "cuda":
             raise ValueError("the flashinfer backend needs CUDA; use attention_backend='torch'")
         require_flashinfer()
         from .flashinfer_backend import FlashInferAttentionBackend
 
-        return FlashInferAttentionBackend(pool, req_to_token, num_q_heads, head_dim)
+        return FlashInferAttentionBackend(pool, req_to_token, num_q_heads, head_dim, layers)
     raise ValueError(f"unknown attention backend {name!r}; choose 'torch' or 'flashinfer'")
 
 
@@ -46,5 +48,5 @@ def require_flashinfer() -> None:
         raise ValueError(f"{FLASHINFER_MISSING} (importing it failed: {e})") from e
 
 
-__all__ = ["AttentionBackend", "ForwardBatch", "TorchAttentionBackend", "flashinfer_installed",
-           "make_backend", "require_flashinfer"]
+__all__ = ["AttentionBackend", "ForwardBatch", "LayerAttention", "TorchAttentionBackend",
+           "flashinfer_installed", "make_backend", "require_flashinfer"]

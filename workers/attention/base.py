@@ -9,6 +9,22 @@ import numpy as np
 import torch
 
 
+@dataclass(frozen=True)
+class LayerAttention:
+    """How one layer attends: a sliding window, the softmax scale, a logit soft cap."""
+
+    window: int = 0  # positions a query sees: itself and window - 1 before it; 0 = all
+    scale: float | None = None  # None: head_dim ** -0.5
+    logit_softcap: float = 0.0  # scores become cap * tanh(scores / cap); 0 = off
+
+    def softmax_scale(self, head_dim: int) -> float:
+        return self.scale if self.scale is not None else head_dim ** -0.5
+
+    def is_plain(self, head_dim: int) -> bool:
+        return not self.window and not self.logit_softcap and (
+            self.scale is None or self.scale == head_dim ** -0.5)
+
+
 @dataclass
 class ForwardBatch:
     """One step's packed batch, in plan order.
@@ -54,7 +70,9 @@ class AttentionBackend(ABC):
     `prepare` runs once per step, before the first layer; it builds whatever index tensors and
     masks every layer shares. `forward` is called once per layer with this step's q/k/v.
     The table rows named by the batch must already hold the slots of positions [0, seq_len),
-    the new tokens' slots (`out_cache_loc`) included.
+    the new tokens' slots (`out_cache_loc`) included. Layers attend as their `LayerAttention`
+    says (all plain when the backend is given none); a windowed layer still finds every
+    position's K/V in the pool, since the cache keeps whole prefixes.
     """
 
     @abstractmethod

@@ -10,22 +10,29 @@ Decode-only batches use the decode wrapper; batches with any extend use the pref
 (FlashInfer's causal mask is aligned to the end of the KV, so cached prefixes just work).
 `plan_graph` / `graph_wrapper` serve the CUDA-graph runner: one decode wrapper per captured batch
 size, with static index buffers that `plan` refills before each replay.
+
+Layers that attend differently (a sliding window, a soft cap, another softmax scale: each
+distinct `LayerAttention` is a "kind") get wrappers of their own, planned with the same page
+tables and their kind's `window_left` (window - 1: flashinfer counts the keys left of the
+query), `logits_soft_cap` and `sm_scale`.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 
 from ..kv_pool import KVPool
-from .base import AttentionBackend, ForwardBatch
+from .base import AttentionBackend, ForwardBatch, LayerAttention
 
 WORKSPACE_BYTES = 256 << 20
 
 
 class FlashInferAttentionBackend(AttentionBackend):
     def __init__(self, pool: KVPool, req_to_token: torch.Tensor, num_q_heads: int,
-                 head_dim: int) -> None:
+                 head_dim: int, layers: Sequence[LayerAttention] | None = None) -> None:
         import flashinfer
 
         self._flashinfer = flashinfer
@@ -39,13 +46,24 @@ class FlashInferAttentionBackend(AttentionBackend):
         self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         group = num_q_heads // self.num_kv_heads
         self._use_tensor_cores = group >= 4
-        self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
-        self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            self.workspace, "NHD", use_tensor_cores=self._use_tensor_cores)
-        self._graph_wrappers: dict[int, object] = {}
+        layers = tuple(layers or [LayerAttention()] * pool.config.num_layers)
+        self.kinds = sorted(set(layers), key=layers.index)  # distinct ways layers attend
+        self.layer_kind = [self.kinds.index(a) for a in layers]
+        self.prefill_wrappers = [flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            self.workspace, "NHD") for _ in self.kinds]
+        self.decode_wrappers = [flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_tensor_cores=self._use_tensor_cores) for _ in self.kinds]
+        self.prefill_wrapper, self.decode_wrapper = self.prefill_wrappers[0], self.decode_wrappers[0]
+        self._graph_wrappers: dict[tuple[int, int], object] = {}  # (batch size, kind)
         self._graph_indices: torch.Tensor | None = None
-        self._wrapper: object | None = None
+        self._wrappers: list[object] = []  # this step's wrapper of each kind
         self._out_cache_loc: torch.Tensor | None = None
+
+    def _kind_args(self, kind: int) -> dict[str, object]:
+        a = self.kinds[kind]
+        return dict(window_left=a.window - 1 if a.window else -1,
+                    logits_soft_cap=a.logit_softcap or None,
+                    sm_scale=a.softmax_scale(self.head_dim))
 
     # ---- page tables ------------------------------------------------------------------------
 
@@ -79,27 +97,30 @@ class FlashInferAttentionBackend(AttentionBackend):
         indptr, indices, last = self._page_table(batch.row_idx, batch.seq_lens)
         dtype = self.pool.config.dtype
         if batch.is_decode:
-            self.decode_wrapper.plan(indptr, indices, last, self.num_q_heads, self.num_kv_heads,
-                                     self.head_dim, self.page_size, q_data_type=dtype,
-                                     kv_data_type=dtype)
-            self._wrapper = self.decode_wrapper
+            for kind, wrapper in enumerate(self.decode_wrappers):
+                wrapper.plan(indptr, indices, last, self.num_q_heads, self.num_kv_heads,
+                             self.head_dim, self.page_size, q_data_type=dtype,
+                             kv_data_type=dtype, **self._kind_args(kind))
+            self._wrappers = list(self.decode_wrappers)
         else:
-            qo = np.concatenate([[0], np.cumsum(batch.extend_lens)]).astype(np.int32)
-            self.prefill_wrapper.plan(torch.from_numpy(qo), indptr, indices, last,
-                                      self.num_q_heads, self.num_kv_heads, self.head_dim,
-                                      self.page_size, causal=True, q_data_type=dtype,
-                                      kv_data_type=dtype)
-            self._wrapper = self.prefill_wrapper
+            qo = torch.from_numpy(
+                np.concatenate([[0], np.cumsum(batch.extend_lens)]).astype(np.int32))
+            for kind, wrapper in enumerate(self.prefill_wrappers):
+                wrapper.plan(qo, indptr, indices, last, self.num_q_heads, self.num_kv_heads,
+                             self.head_dim, self.page_size, causal=True, q_data_type=dtype,
+                             kv_data_type=dtype, **self._kind_args(kind))
+            self._wrappers = list(self.prefill_wrappers)
 
     def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor,
                 v: torch.Tensor) -> torch.Tensor:
-        if self._wrapper is None or self._out_cache_loc is None:
+        if not self._wrappers or self._out_cache_loc is None:
             raise RuntimeError("prepare(batch) (or plan_graph) must run before forward")
         self.pool.set_kv(layer_id, self._out_cache_loc, k, v)
         shape = (-1, self.page_size, self.num_kv_heads, self.head_dim)
         k_cache = self.pool.k_buffers[layer_id].view(shape)
         v_cache = self.pool.v_buffers[layer_id].view(shape)
-        out = self._wrapper.run(q.contiguous(), (k_cache, v_cache))  # type: ignore[attr-defined]
+        wrapper = self._wrappers[self.layer_kind[layer_id]]
+        out = wrapper.run(q.contiguous(), (k_cache, v_cache))  # type: ignore[attr-defined]
         return out.view(q.shape[0], -1)
 
     # ---- CUDA graphs ------------------------------------------------------------------------
@@ -110,23 +131,27 @@ class FlashInferAttentionBackend(AttentionBackend):
         max_pages = max_bs * (-(-max_context_len // self.page_size))
         self._graph_indices = torch.zeros(max_pages, dtype=torch.int32, device=self.device)
         for bs in batch_sizes:
-            self._graph_wrappers[bs] = self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                self.workspace, "NHD", use_cuda_graph=True,
-                use_tensor_cores=self._use_tensor_cores,
-                paged_kv_indptr_buffer=torch.zeros(bs + 1, dtype=torch.int32, device=self.device),
-                paged_kv_indices_buffer=self._graph_indices,
-                paged_kv_last_page_len_buffer=torch.ones(bs, dtype=torch.int32,
-                                                         device=self.device))
+            for kind in range(len(self.kinds)):
+                self._graph_wrappers[bs, kind] = self._graph_wrapper(bs)
+
+    def _graph_wrapper(self, bs: int) -> object:
+        return self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self._use_tensor_cores,
+            paged_kv_indptr_buffer=torch.zeros(bs + 1, dtype=torch.int32, device=self.device),
+            paged_kv_indices_buffer=self._graph_indices,
+            paged_kv_last_page_len_buffer=torch.ones(bs, dtype=torch.int32, device=self.device))
 
     def plan_graph(self, graph_bs: int, row_idx: np.ndarray, seq_lens: np.ndarray,
                    out_cache_loc: torch.Tensor) -> None:
         """Plan a decode of len(row_idx) requests padded to `graph_bs` on the graph wrapper.
         `out_cache_loc` is the graph's static slot buffer."""
-        wrapper = self._graph_wrappers[graph_bs]
         indptr, indices, last = self._page_table(row_idx, seq_lens, graph_bs - len(row_idx))
         dtype = self.pool.config.dtype
-        wrapper.plan(indptr, indices, last, self.num_q_heads,  # type: ignore[attr-defined]
-                     self.num_kv_heads, self.head_dim, self.page_size, q_data_type=dtype,
-                     kv_data_type=dtype)
-        self._wrapper = wrapper
+        self._wrappers = []
+        for kind in range(len(self.kinds)):
+            wrapper = self._graph_wrappers[graph_bs, kind]
+            wrapper.plan(indptr, indices, last, self.num_q_heads,  # type: ignore[attr-defined]
+                         self.num_kv_heads, self.head_dim, self.page_size, q_data_type=dtype,
+                         kv_data_type=dtype, **self._kind_args(kind))
+            self._wrappers.append(wrapper)
         self._out_cache_loc = out_cache_loc

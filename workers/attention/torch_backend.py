@@ -4,19 +4,22 @@ Single-token requests (decode) are attended in padded batches: on CPU those that
 prefix through cascade groups (cascade.py), the rest in at most two batches split by length
 (`split_by_length`), so that a few long requests do not pad every short one to their length.
 Multi-token requests (extend) run one request at a time, with a causal mask shifted by the
-request's prefix length.
+request's prefix length. Windowed layers (`LayerAttention.window`) mask the keys before their
+window; layers with a logit soft cap compute their scores explicitly. Cascades serve models
+whose layers are all plain.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from ..kv_pool import KVPool
-from .base import AttentionBackend, ForwardBatch
+from .base import AttentionBackend, ForwardBatch, LayerAttention
 from .cascade import CascadeBatch, cascade_attention, find_groups
 
 
@@ -26,6 +29,7 @@ class _ExtendEntry:
     extend_len: int
     rows: torch.Tensor  # [Hk * seq_len] pool rows (slot * Hk + head), head-major
     mask: torch.Tensor | None  # [extend_len, seq_len] bool, None when plain causal
+    window_masks: dict[int, torch.Tensor] = field(default_factory=dict)  # window -> mask
 
 
 @dataclass
@@ -34,12 +38,16 @@ class _DecodeGroup:
     rows: torch.Tensor  # [Bd * Hk * max_len] pool rows (slot * Hk + head)
     max_len: int
     padding: torch.Tensor  # [Bd, 1, 1, max_len] bool, True = past the request's length
+    window_padding: dict[int, torch.Tensor] = field(default_factory=dict)  # window -> padding
 
 
 class TorchAttentionBackend(AttentionBackend):
     def __init__(self, pool: KVPool, req_to_token: torch.Tensor, num_q_heads: int,
-                 head_dim: int) -> None:
+                 head_dim: int, layers: Sequence[LayerAttention] | None = None) -> None:
         self.pool = pool
+        self.layers = tuple(layers or [LayerAttention()] * pool.config.num_layers)
+        self._windows = sorted({a.window for a in self.layers if a.window})
+        self._all_plain = all(a.is_plain(head_dim) for a in self.layers)
         self.req_to_token = req_to_token
         self.num_q_heads = num_q_heads
         self.head_dim = head_dim
@@ -58,28 +66,33 @@ class TorchAttentionBackend(AttentionBackend):
         single = np.flatnonzero(batch.extend_lens == 1)
         self._decodes = []
         self._cascade = None
-        if len(single) > 1 and self.device.type == "cpu":
+        if len(single) > 1 and self.device.type == "cpu" and self._all_plain:
             single = self._prepare_cascades(batch, single)
         for part in split_by_length(single, seq_lens[single]):
             max_len = int(seq_lens[part].max())
             rows = torch.from_numpy(batch.row_idx[part]).to(self.device)
             lens = torch.from_numpy(seq_lens[part]).to(self.device)
             slots = self.req_to_token[rows, :max_len].long()  # [Bd, L]
-            padding = torch.arange(max_len, device=self.device)[None, :] >= lens[:, None]
+            cols = torch.arange(max_len, device=self.device)[None, :]
+            padding = cols >= lens[:, None]
+            windowed = {w: (padding | (cols < lens[:, None] - w))[:, None, None, :]
+                        for w in self._windows}
             self._decodes.append(_DecodeGroup(
                 torch.from_numpy(starts[part]).to(self.device),
                 self._pool_rows(slots[:, None, :]).reshape(-1), max_len,
-                padding[:, None, None, :]))
+                padding[:, None, None, :], windowed))
         self._extends = []
         for i in np.flatnonzero(batch.extend_lens > 1):
             prefix, ext = int(batch.prefix_lens[i]), int(batch.extend_lens[i])
             slots = self.req_to_token[int(batch.row_idx[i]), : prefix + ext].long()
             pool_rows = self._pool_rows(slots[None, :]).reshape(-1)  # [Hk * L]
             mask = None
+            q_pos = torch.arange(ext, device=self.device)[:, None] + prefix
+            kv_pos = torch.arange(prefix + ext, device=self.device)[None, :]
             if prefix:
-                q_pos = torch.arange(ext, device=self.device)[:, None] + prefix
-                mask = torch.arange(prefix + ext, device=self.device)[None, :] <= q_pos
-            self._extends.append(_ExtendEntry(int(starts[i]), ext, pool_rows, mask))
+                mask = kv_pos <= q_pos
+            windowed = {w: (kv_pos <= q_pos) & (kv_pos > q_pos - w) for w in self._windows}
+            self._extends.append(_ExtendEntry(int(starts[i]), ext, pool_rows, mask, windowed))
 
     def _prepare_cascades(self, batch: ForwardBatch, single: np.ndarray) -> np.ndarray:
         """Put decode requests that share a long prefix into cascade groups; return the rest."""
@@ -107,9 +120,12 @@ class TorchAttentionBackend(AttentionBackend):
             raise RuntimeError("prepare(batch) must run before forward")
         self.pool.set_kv(layer_id, self._out_cache_loc, k, v)
         k_buf, v_buf = self.pool.k_buffers[layer_id], self.pool.v_buffers[layer_id]
+        attn = self.layers[layer_id]
         out = torch.empty_like(q)
         for d in self._decodes:
-            out[d.token_idx] = self._decode_attention(q[d.token_idx], k_buf, v_buf, d)
+            padding = d.window_padding[attn.window] if attn.window else d.padding
+            out[d.token_idx] = self._decode_attention(q[d.token_idx], k_buf, v_buf, d, padding,
+                                                      attn)
         if self._cascade is not None and self._cascade_token_idx is not None:
             idx = self._cascade_token_idx
             out[idx] = cascade_attention(q[idx], k_buf, v_buf, self._cascade, self.num_kv_heads)
@@ -121,13 +137,19 @@ class TorchAttentionBackend(AttentionBackend):
             if ke.shape[0] != qe.shape[0]:  # expand GQA here: the fused CPU kernels lack it
                 group = qe.shape[0] // ke.shape[0]
                 ke, ve = ke.repeat_interleave(group, 0), ve.repeat_interleave(group, 0)
-            res = F.scaled_dot_product_attention(  # 4-D inputs take the fused CPU kernel
-                qe[None], ke[None], ve[None], attn_mask=e.mask, is_causal=e.mask is None)
+            mask = e.window_masks[attn.window] if attn.window else e.mask
+            if attn.logit_softcap:
+                res = _capped_attention(qe[None], ke[None], ve[None], mask, attn, self.head_dim)
+            else:  # 4-D inputs take the fused CPU kernel
+                res = F.scaled_dot_product_attention(
+                    qe[None], ke[None], ve[None], attn_mask=mask, is_causal=mask is None,
+                    scale=attn.softmax_scale(self.head_dim))
             out[e.token_start: e.token_start + e.extend_len] = res[0].transpose(0, 1)
         return out.view(q.shape[0], -1)
 
     def _decode_attention(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
-                          d: _DecodeGroup) -> torch.Tensor:
+                          d: _DecodeGroup, padding: torch.Tensor,
+                          attn: LayerAttention) -> torch.Tensor:
         """One query per request: the query heads that share a KV head become rows of one
         matmul against that head's keys (no KV expansion; faster than SDPA here on CPU)."""
         num_req, num_q_heads, head_dim = q.shape
@@ -136,8 +158,9 @@ class TorchAttentionBackend(AttentionBackend):
         k = _gather(k_buf, d.rows).view(shape).to(q.dtype)  # [Bd, Hk, L, D]
         v = _gather(v_buf, d.rows).view(shape).to(q.dtype)
         qg = q.view(num_req, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
-        scores = torch.matmul(qg, k.transpose(-1, -2)) * head_dim ** -0.5  # [Bd, Hk, G, L]
-        scores = scores.float().masked_fill_(d.padding, float("-inf"))
+        scores = torch.matmul(qg, k.transpose(-1, -2)) * attn.softmax_scale(head_dim)
+        scores = _soft_cap(scores.float(), attn.logit_softcap)  # [Bd, Hk, G, L]
+        scores = scores.masked_fill_(padding, float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(q.dtype)
         return torch.matmul(probs, v).view(num_req, num_q_heads, head_dim)
 
@@ -161,6 +184,24 @@ def split_by_length(idx: np.ndarray, lens: np.ndarray) -> list[np.ndarray]:
         return [idx]
     cut = int(first[best])
     return [idx[np.sort(order[:cut])], idx[np.sort(order[cut:])]]
+
+
+def _soft_cap(scores: torch.Tensor, cap: float) -> torch.Tensor:
+    return torch.tanh(scores / cap) * cap if cap else scores
+
+
+def _capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      mask: torch.Tensor | None, attn: LayerAttention,
+                      head_dim: int) -> torch.Tensor:
+    """Attention with soft-capped scores (SDPA has no cap); q [1, H, n, D], k/v [1, H, L, D],
+    `mask` [n, L] True = attend, None = causal."""
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * attn.softmax_scale(head_dim)
+    scores = _soft_cap(scores, attn.logit_softcap)
+    if mask is None:
+        n, length = scores.shape[-2:]
+        mask = torch.ones(n, length, dtype=torch.bool, device=q.device).tril(length - n)
+    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+    return torch.matmul(probs.to(v.dtype), v)
 
 
 def _gather(buf: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""RMSNorm, optionally fused with the residual add."""
+"""RMSNorm, optionally fused with the residual add, and Gemma's (1 + weight) variant."""
 
 from __future__ import annotations
 
@@ -30,3 +30,13 @@ class RMSNorm(nn.Module):
         if residual is not None:
             x = x + residual
         return self._norm(x), x
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: scales by (1 + weight), in float32, then casts back."""
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x * (1.0 + self.weight.float())).to(dtype)

@@ -22,27 +22,40 @@ class CheckpointTensor:
     tensor (tests, converted checkpoints).
     """
 
-    def __init__(self, source: _SafeSlice | torch.Tensor) -> None:
+    def __init__(self, source: _SafeSlice | torch.Tensor, rows: tuple[int, int] | None = None
+                 ) -> None:
         self._source = source
         if isinstance(source, torch.Tensor):
             self.shape = tuple(source.shape)
         else:
             self.shape = tuple(source.get_shape())
+        self._row_start = 0
+        if rows is not None:  # a run of rows of a fused tensor (see `part`)
+            self._row_start = rows[0]
+            self.shape = (rows[1], *self.shape[1:])
+
+    def part(self, start: int, length: int) -> CheckpointTensor:
+        """Rows [start, start + length) of this tensor, still read lazily."""
+        if start < 0 or start + length > self.shape[0]:
+            raise ValueError(f"rows [{start}, {start + length}) are out of range for a tensor "
+                             f"of shape {self.shape}")
+        return CheckpointTensor(self._source, (self._row_start + start, length))
 
     def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
         if start < 0 or start + length > self.shape[dim]:
             raise ValueError(f"slice [{start}, {start + length}) is out of range for dim {dim} "
                              f"of a tensor of shape {self.shape}")
-        if isinstance(self._source, torch.Tensor):
-            return self._source.narrow(dim, start, length)
-        index = tuple(slice(start, start + length) if d == dim else slice(None)
-                      for d in range(len(self.shape)))
-        return self._source[index]
+        index = [slice(None)] * len(self.shape)
+        index[0] = slice(self._row_start, self._row_start + self.shape[0])
+        if dim == 0:
+            start += self._row_start
+        index[dim] = slice(start, start + length)
+        return self._source[tuple(index)]
 
     def read(self) -> torch.Tensor:
-        if isinstance(self._source, torch.Tensor):
-            return self._source
-        return self._source[tuple(slice(None) for _ in self.shape)]
+        if not self.shape:
+            return self._source[()]
+        return self.narrow(0, 0, self.shape[0])
 
 
 def copy_checked(param: torch.Tensor, loaded: torch.Tensor, name: str = "") -> None:

@@ -1,22 +1,33 @@
-"""The Llama family (Llama 2/3, Mistral, SmolLM2), Qwen2 (bias on q/k/v) and Qwen3 (q/k norms).
+"""The Llama family (Llama 2/3, Mistral, SmolLM2), Qwen2 (bias on q/k/v) and Qwen3 (q/k norms);
+with other norms and sandwich norms also the base of Gemma (gemma.py) and Phi-3 (phi3.py).
 
 Module names follow the Hugging Face checkpoints, except for the merged projections
-(`qkv_proj`, `gate_up_proj`); `PACKED_MODULES` maps the checkpoint names onto them.
+(`qkv_proj`, `gate_up_proj`); `PACKED_MODULES` maps the checkpoint names onto them. Sliding
+windows, the softmax scale and logit soft caps are the attention backend's business: the runner
+hands it each layer's `LayerAttention` (`layer_attention`).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..attention.base import AttentionBackend
-from ..config import ModelConfig
+from ..attention.base import AttentionBackend, LayerAttention
+from ..config import ModelConfig, RopeConfig
 from ..layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from ..layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from ..layers.norm import RMSNorm
 from ..layers.rotary import RotaryEmbedding
+from ..layers.source import CheckpointTensor
 from ..parallel import TPGroup
+
+NormFactory = Callable[[int, float], RMSNorm]
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh")}
 
 # checkpoint module name -> (our module name, shard id)
 PACKED_MODULES: dict[str, tuple[str, str | int]] = {
@@ -29,24 +40,25 @@ PACKED_MODULES: dict[str, tuple[str, str | int]] = {
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, group: TPGroup) -> None:
+    def __init__(self, config: ModelConfig, layer_id: int, group: TPGroup,
+                 norm: NormFactory = RMSNorm) -> None:
         super().__init__()
         self.layer_id = layer_id
         self.head_dim = config.head_dim
         self.qkv_proj = QKVParallelLinear(config.hidden_size, config.head_dim, config.num_heads,
-                                          config.num_kv_heads, config.attention_bias, group)
+                                          config.num_kv_heads, config.qkv_bias, group)
         heads = self.qkv_proj.heads
         self.num_q_heads = heads.num_q_heads
         self.num_kv_heads = heads.num_kv_heads
         self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
         self.o_proj = RowParallelLinear(
-            config.num_heads * config.head_dim, config.hidden_size, bias=False, group=group,
+            config.num_heads * config.head_dim, config.hidden_size, bias=config.o_bias, group=group,
             in_shard=(heads.q_head_start * config.head_dim, self.q_size))
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
         if config.qk_norm:
-            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+            self.q_norm = norm(config.head_dim, config.rms_norm_eps)
+            self.k_norm = norm(config.head_dim, config.rms_norm_eps)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, rope: RotaryEmbedding,
                 backend: AttentionBackend) -> torch.Tensor:
@@ -68,44 +80,68 @@ class LlamaMLP(nn.Module):
         super().__init__()
         size = config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [size, size],
-                                                       group=group)
-        self.down_proj = RowParallelLinear(size, config.hidden_size, group=group)
+                                                       bias=config.mlp_bias, group=group)
+        self.down_proj = RowParallelLinear(size, config.hidden_size, bias=config.mlp_bias,
+                                           group=group)
+        self.act = ACTIVATIONS[config.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, group: TPGroup) -> None:
+    """Pre-norm block; with `sandwich` (Gemma 2/3) the attention and MLP outputs are normed
+    too (`post_attention_layernorm` then norms the attention output, `pre_feedforward_layernorm`
+    the MLP input)."""
+
+    def __init__(self, config: ModelConfig, layer_id: int, group: TPGroup,
+                 norm: NormFactory = RMSNorm, sandwich: bool = False) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_id, group)
+        size, eps = config.hidden_size, config.rms_norm_eps
+        self.self_attn = LlamaAttention(config, layer_id, group, norm)
         self.mlp = LlamaMLP(config, group)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = norm(size, eps)
+        self.post_attention_layernorm = norm(size, eps)
+        self.pre_feedforward_layernorm: RMSNorm | None = None
+        self.post_feedforward_layernorm: RMSNorm | None = None
+        if sandwich:
+            self.pre_feedforward_layernorm = norm(size, eps)
+            self.post_feedforward_layernorm = norm(size, eps)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 residual: torch.Tensor | None, rope: RotaryEmbedding,
                 backend: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
         hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(positions, hidden, rope, backend)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        if self.pre_feedforward_layernorm is None or self.post_feedforward_layernorm is None:
+            hidden, residual = self.post_attention_layernorm(hidden, residual)
+            return self.mlp(hidden), residual
+        hidden = self.post_attention_layernorm(hidden)[0]
+        hidden, residual = self.pre_feedforward_layernorm(hidden, residual)
+        return self.post_feedforward_layernorm(self.mlp(hidden))[0], residual
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, group: TPGroup) -> None:
+    """With `embed_scale` (Gemma) the embeddings are multiplied by sqrt(hidden_size), rounded
+    to the model's dtype as transformers does."""
+
+    def __init__(self, config: ModelConfig, group: TPGroup, norm: NormFactory = RMSNorm,
+                 sandwich: bool = False, embed_scale: bool = False) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, group)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, group) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            LlamaDecoderLayer(config, i, group, norm, sandwich) for i in range(config.num_layers))
+        self.norm = norm(config.hidden_size, config.rms_norm_eps)
+        self.embed_scale = config.hidden_size ** 0.5 if embed_scale else None
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
-                backend: AttentionBackend) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                ropes: list[RotaryEmbedding], backend: AttentionBackend) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
+        if self.embed_scale is not None:
+            hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
         residual = None
-        for layer in self.layers:
+        for layer, rope in zip(self.layers, ropes, strict=True):
             hidden, residual = layer(positions, hidden, residual, rope, backend)
         return self.norm(hidden, residual)[0]
 
@@ -116,18 +152,30 @@ class LlamaForCausalLM(nn.Module):
 
     packed_modules = PACKED_MODULES
 
-    def __init__(self, config: ModelConfig, group: TPGroup) -> None:
+    def __init__(self, config: ModelConfig, group: TPGroup, norm: NormFactory = RMSNorm,
+                 sandwich: bool = False, embed_scale: bool = False) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, group)
+        self.model = LlamaModel(config, group, norm, sandwich, embed_scale)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, group)
-        self.rope: RotaryEmbedding | None = None
+        self.ropes: list[RotaryEmbedding] = []  # one per layer; layers of a kind share one
 
     def init_buffers(self, device: torch.device | str) -> None:
         """Build the non-parameter tables on the real device (after the meta build)."""
         c = self.config
-        self.rope = RotaryEmbedding(c.head_dim, c.max_position_embeddings, c.rope_theta,
-                                    c.rope_scaling, device=device)
+        tables = {rope: RotaryEmbedding(c.head_dim, rope, _max_positions(c, rope), device)
+                  for rope in {c.layer_rope(i) for i in range(c.num_layers)}}
+        self.ropes = [tables[c.layer_rope(i)] for i in range(c.num_layers)]
+
+    def layer_attention(self) -> list[LayerAttention]:
+        """How each layer attends, for the attention backend."""
+        c = self.config
+        return [LayerAttention(w, c.attn_scale, c.attn_logit_softcap) for w in c.layer_windows]
+
+    def checkpoint_parts(self, name: str,
+                         tensor: CheckpointTensor) -> Iterator[tuple[str, CheckpointTensor]]:
+        """The checkpoint tensors a stored tensor holds (a fused one holds several)."""
+        yield name, tensor
 
     def checkpoint_aliases(self, name: str) -> list[str]:
         """Other parameters that a checkpoint tensor also fills (tied embeddings)."""
@@ -137,9 +185,19 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 backend: AttentionBackend) -> torch.Tensor:
-        if self.rope is None:
+        if not self.ropes:
             raise RuntimeError("call init_buffers(device) before the first forward")
-        return self.model(input_ids, positions, self.rope, backend)
+        return self.model(input_ids, positions, self.ropes, backend)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head.compute_logits(hidden)
+        logits = self.lm_head.compute_logits(hidden)
+        cap = self.config.final_logit_softcap
+        return torch.tanh(logits / cap) * cap if cap else logits
+
+
+def _max_positions(config: ModelConfig, rope: RopeConfig) -> int:
+    """Positions the rope table covers: dynamic scaling stretches max_position_embeddings by
+    its factor; the other types' max_position_embeddings already is the model's length."""
+    if rope.rope_type == "dynamic":
+        return int(config.max_position_embeddings * rope.factor)
+    return config.max_position_embeddings
