@@ -173,8 +173,9 @@ def read_config(raw: dict[str, object]) -> tuple[ModelConfig, ConfigFields]:
 
     cls = getattr(transformers, arch.config_class)
     values = cls.from_dict(dict(raw)).to_dict()
-    class_fields = frozenset(f.name for f in fields(cls))
-    f = ConfigFields(arch.name, values, cls().to_dict(), class_fields)
+    defaults = cls().to_dict()
+    class_fields = frozenset(defaults) | frozenset(f.name for f in fields(cls))
+    f = ConfigFields(arch.name, values, defaults, class_fields)
     common = _common(f, "hidden_activation" if "hidden_activation" in class_fields
                      else "hidden_act")
     extra = arch.parse(f, common)
