@@ -142,64 +142,67 @@ def rope_config(fields: ConfigFields, params: object, max_position_embeddings: i
     `RopeConfig`, with the defaults transformers fills in resolved the way it resolves them."""
     if not isinstance(params, Mapping):
         raise fields.refuse(field, "a mapping of rope parameters is required")
-    rope_type = params.get("rope_type", params.get("type", "default"))
+    rope_type = str(params.get("rope_type", params.get("type", "default")))
     if rope_type not in ROPE_TYPES:
         raise fields.refuse(field, f"rope_type {rope_type!r}; supported: {ROPE_TYPES}")
-    known = _ROPE_KEYS[str(rope_type)] | {"rope_type", "type", "rope_theta",
-                                          "partial_rotary_factor"}
+    known = _ROPE_KEYS[rope_type] | {"rope_type", "type", "rope_theta", "partial_rotary_factor"}
     extra = sorted(set(params) - known)
     if extra:
         raise fields.refuse(field, f"rope parameters {extra} are not implemented for "
                                    f"rope_type {rope_type!r}")
-    theta = float(params.get("rope_theta", 10000.0))  # type: ignore[arg-type]
-    partial = float(params.get("partial_rotary_factor", 1.0))  # type: ignore[arg-type]
+
+    def number(key: str, default: float | None = None) -> float:
+        value = params.get(key)
+        if value is None and default is not None:
+            return default
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise fields.refuse(field, f"{rope_type} needs a number for {key!r}")
+        return float(value)
+
+    theta, partial = number("rope_theta", 10000.0), number("partial_rotary_factor", 1.0)
     if rope_type == "default":
         return RopeConfig("default", theta, partial)
-    original = params.get("original_max_position_embeddings", original_max_position_embeddings)
+    orig = int(number("original_max_position_embeddings",
+                      float(original_max_position_embeddings or 0)))
     if rope_type == "dynamic":  # transformers scales against max_position_embeddings
-        original = max_position_embeddings
-    if original is None and rope_type != "linear":
+        orig = max_position_embeddings
+    if not orig and rope_type != "linear":
         raise fields.refuse(field, f"rope_type {rope_type!r} needs "
                                    "original_max_position_embeddings")
-    orig = int(original or 0)  # type: ignore[call-overload]
-    factor = params.get("factor")
-    if factor is None:
-        if rope_type not in ("yarn", "longrope"):
-            raise fields.refuse(field, f"rope_type {rope_type!r} needs a factor")
+    if params.get("factor") is None and rope_type in ("yarn", "longrope"):
         factor = max_position_embeddings / orig
-    f = float(factor)  # type: ignore[arg-type]
-    base = RopeConfig(str(rope_type), theta, partial, f, orig)
+    else:
+        factor = number("factor")
     if rope_type == "llama3":
-        return RopeConfig("llama3", theta, partial, f, orig,
-                          low_freq_factor=float(params["low_freq_factor"]),  # type: ignore[arg-type]
-                          high_freq_factor=float(params["high_freq_factor"]))  # type: ignore[arg-type]
+        return RopeConfig("llama3", theta, partial, factor, orig,
+                          low_freq_factor=number("low_freq_factor"),
+                          high_freq_factor=number("high_freq_factor"))
     if rope_type == "yarn":
-        mscale = float(params.get("mscale") or 0.0)  # type: ignore[arg-type]
-        mscale_all = float(params.get("mscale_all_dim") or 0.0)  # type: ignore[arg-type]
-        attention = params.get("attention_factor")
-        if attention is None:
-            if mscale and mscale_all:
-                attention = _yarn_mscale(f, mscale) / _yarn_mscale(f, mscale_all)
-            else:
-                attention = _yarn_mscale(f)
-        return RopeConfig("yarn", theta, partial, f, orig,
+        mscale, mscale_all = number("mscale", 0.0), number("mscale_all_dim", 0.0)
+        if params.get("attention_factor") is not None:
+            attention = number("attention_factor")
+        elif mscale and mscale_all:
+            attention = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all)
+        else:
+            attention = _yarn_mscale(factor)
+        return RopeConfig("yarn", theta, partial, factor, orig,
                           beta_fast=float(params.get("beta_fast") or 32),  # type: ignore[arg-type]
                           beta_slow=float(params.get("beta_slow") or 1),  # type: ignore[arg-type]
                           mscale=mscale, mscale_all_dim=mscale_all,
                           truncate=bool(params.get("truncate", True)),
-                          attention_factor=float(attention))  # type: ignore[arg-type]
+                          attention_factor=attention)
     if rope_type == "longrope":
-        attention = params.get("attention_factor")
-        if attention is None:
-            attention = 1.0 if f <= 1.0 else math.sqrt(1 + math.log(f) / math.log(orig))
+        if params.get("attention_factor") is not None:
+            attention = number("attention_factor")
+        else:
+            attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
         short, long = params.get("short_factor"), params.get("long_factor")
         if not isinstance(short, list) or not isinstance(long, list):
             raise fields.refuse(field, "longrope needs short_factor and long_factor lists")
-        return RopeConfig("longrope", theta, partial, f, orig,
-                          attention_factor=float(attention),  # type: ignore[arg-type]
+        return RopeConfig("longrope", theta, partial, factor, orig, attention_factor=attention,
                           short_factor=tuple(float(x) for x in short),
                           long_factor=tuple(float(x) for x in long))
-    return base  # linear, dynamic
+    return RopeConfig(rope_type, theta, partial, factor, orig)  # linear, dynamic
 
 
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:

@@ -10,7 +10,7 @@ the class is read, inert or refused.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 from ..config import ModelConfig, RopeConfig
 from ..parallel import TPGroup
@@ -28,7 +28,7 @@ from .gemma import Gemma2ForCausalLM, Gemma3ForCausalLM, GemmaForCausalLM
 from .llama import LlamaForCausalLM
 from .phi3 import Phi3ForCausalLM
 
-Parse = Callable[[ConfigFields, dict[str, object]], dict[str, object]]
+Parse = Callable[[ConfigFields, ModelConfig], ModelConfig]
 
 
 @dataclass(frozen=True)
@@ -36,30 +36,35 @@ class Architecture:
     name: str  # the `architectures` entry
     config_class: str  # the transformers config class that reads its config.json
     model_class: type[LlamaForCausalLM]
-    parse: Parse  # fields -> ModelConfig arguments beyond the common ones
+    parse: Parse  # (fields, the common fields read) -> the whole ModelConfig
     features: str  # for the README
 
 
-def _common(f: ConfigFields, act_field: str = "hidden_act") -> dict[str, object]:
+def _common(f: ConfigFields, arch: str, act_field: str) -> ModelConfig:
+    """The fields every architecture has; the rope and the rest come from its parse."""
     hidden, heads = as_int(f, "hidden_size"), as_int(f, "num_attention_heads")
     num_layers = as_int(f, "num_hidden_layers")
     eos = f.take("eos_token_id")
     eos_ids = eos if isinstance(eos, list) else ([] if eos is None else [eos])
-    return dict(
-        vocab_size=as_int(f, "vocab_size"), hidden_size=hidden,
+    kv_heads, head_dim = f.take("num_key_value_heads"), f.take("head_dim")
+    return ModelConfig(
+        architecture=arch, vocab_size=as_int(f, "vocab_size"), hidden_size=hidden,
         intermediate_size=as_int(f, "intermediate_size"), num_layers=num_layers,
-        num_heads=heads, num_kv_heads=int(f.take("num_key_value_heads") or heads),  # type: ignore[call-overload]
-        head_dim=int(f.take("head_dim") or hidden // heads),  # type: ignore[call-overload]
+        num_heads=heads, num_kv_heads=int(kv_heads) if isinstance(kv_heads, int) else heads,
+        head_dim=int(head_dim) if isinstance(head_dim, int) else hidden // heads,
         rms_norm_eps=as_float(f, "rms_norm_eps"), hidden_act=activation(f, act_field),
-        max_position_embeddings=as_int(f, "max_position_embeddings"),
+        rope=RopeConfig(), max_position_embeddings=as_int(f, "max_position_embeddings"),
         tie_word_embeddings=bool(f.take("tie_word_embeddings")),
-        eos_token_ids=tuple(int(e) for e in eos_ids),  # type: ignore[call-overload]
+        eos_token_ids=tuple(int(e) for e in eos_ids if isinstance(e, int)),
         layer_windows=(0,) * num_layers)
 
 
-def _rope(f: ConfigFields, c: dict[str, object], original: int | None = None,
-          partial: bool = False) -> RopeConfig:
-    rope = rope_config(f, f.take("rope_parameters"), c["max_position_embeddings"],  # type: ignore[arg-type]
+def _rope(f: ConfigFields, c: ModelConfig, partial: bool = False) -> RopeConfig:
+    original = None
+    if partial:  # Phi-3 keeps its original length beside the rope parameters
+        value = f.take("original_max_position_embeddings")
+        original = value if isinstance(value, int) else None
+    rope = rope_config(f, f.take("rope_parameters"), c.max_position_embeddings,
                        original_max_position_embeddings=original)
     if rope.partial_rotary_factor != 1.0 and not partial:
         raise f.refuse("rope_parameters", "partial_rotary_factor must be 1.0 for this "
@@ -67,67 +72,63 @@ def _rope(f: ConfigFields, c: dict[str, object], original: int | None = None,
     return rope
 
 
-def _llama(f: ConfigFields, c: dict[str, object]) -> dict[str, object]:
+def _llama(f: ConfigFields, c: ModelConfig) -> ModelConfig:
     bias = bool(f.take("attention_bias"))
-    return dict(rope=_rope(f, c), qkv_bias=bias, o_bias=bias, mlp_bias=bool(f.take("mlp_bias")))
+    return replace(c, rope=_rope(f, c), qkv_bias=bias, o_bias=bias,
+                   mlp_bias=bool(f.take("mlp_bias")))
 
 
-def _mistral(f: ConfigFields, c: dict[str, object]) -> dict[str, object]:
-    return dict(rope=_rope(f, c), layer_windows=layer_windows(f, c["num_layers"], False))  # type: ignore[arg-type]
+def _mistral(f: ConfigFields, c: ModelConfig) -> ModelConfig:
+    return replace(c, rope=_rope(f, c), layer_windows=layer_windows(f, c.num_layers, False))
 
 
-def _qwen2(f: ConfigFields, c: dict[str, object]) -> dict[str, object]:
-    return dict(rope=_rope(f, c), qkv_bias=True,
-                layer_windows=layer_windows(f, c["num_layers"], True))  # type: ignore[arg-type]
+def _qwen2(f: ConfigFields, c: ModelConfig) -> ModelConfig:
+    return replace(c, rope=_rope(f, c), qkv_bias=True,
+                   layer_windows=layer_windows(f, c.num_layers, True))
 
 
-def _qwen3(f: ConfigFields, c: dict[str, object]) -> dict[str, object]:
+def _qwen3(f: ConfigFields, c: ModelConfig) -> ModelConfig:
     bias = bool(f.take("attention_bias"))
-    return dict(rope=_rope(f, c), qkv_bias=bias, o_bias=bias, qk_norm=True,
-                layer_windows=layer_windows(f, c["num_layers"], True))  # type: ignore[arg-type]
+    return replace(c, rope=_rope(f, c), qkv_bias=bias, o_bias=bias, qk_norm=True,
+                   layer_windows=layer_windows(f, c.num_layers, True))
 
 
-def _phi3(f: ConfigFields, c: dict[str, object]) -> dict[str, object]:
-    original = f.take("original_max_position_embeddings")
-    return dict(rope=_rope(f, c, original, partial=True),  # type: ignore[arg-type]
-                layer_windows=layer_windows(f, c["num_layers"], False))  # type: ignore[arg-type]
+def _phi3(f: ConfigFields, c: ModelConfig) -> ModelConfig:
+    return replace(c, rope=_rope(f, c, partial=True),
+                   layer_windows=layer_windows(f, c.num_layers, False))
 
 
-def _no_bidirectional(f: ConfigFields) -> None:
+def _gemma(f: ConfigFields, c: ModelConfig) -> ModelConfig:
     if f.take("use_bidirectional_attention"):
         raise f.refuse("use_bidirectional_attention", "raydix serves causal decoders only")
-
-
-def _gemma(f: ConfigFields, c: dict[str, object]) -> dict[str, object]:
-    _no_bidirectional(f)
     bias = bool(f.take("attention_bias"))
-    return dict(rope=_rope(f, c), qkv_bias=bias, o_bias=bias)
+    return replace(c, rope=_rope(f, c), qkv_bias=bias, o_bias=bias)
 
 
-def _gemma2(f: ConfigFields, c: dict[str, object]) -> dict[str, object]:
-    out = _gemma(f, c)
-    out.update(layer_windows=layer_windows(f, c["num_layers"], True),  # type: ignore[arg-type]
-               attn_scale=as_float(f, "query_pre_attn_scalar") ** -0.5,
-               attn_logit_softcap=optional_cap(f, "attn_logit_softcapping"),
-               final_logit_softcap=optional_cap(f, "final_logit_softcapping"))
-    return out
+def _gemma2_attention(f: ConfigFields, c: ModelConfig) -> ModelConfig:
+    """Gemma 2 and 3: per-layer windows, `query_pre_attn_scalar`, soft caps."""
+    return replace(c, layer_windows=layer_windows(f, c.num_layers, True),
+                   attn_scale=as_float(f, "query_pre_attn_scalar") ** -0.5,
+                   attn_logit_softcap=optional_cap(f, "attn_logit_softcapping"),
+                   final_logit_softcap=optional_cap(f, "final_logit_softcapping"))
 
 
-def _gemma3(f: ConfigFields, c: dict[str, object]) -> dict[str, object]:
-    _no_bidirectional(f)
+def _gemma2(f: ConfigFields, c: ModelConfig) -> ModelConfig:
+    return _gemma2_attention(f, _gemma(f, c))
+
+
+def _gemma3(f: ConfigFields, c: ModelConfig) -> ModelConfig:
+    if f.take("use_bidirectional_attention"):
+        raise f.refuse("use_bidirectional_attention", "raydix serves causal decoders only")
     bias = bool(f.take("attention_bias"))
     params = f.take("rope_parameters")
     if not isinstance(params, dict) or set(params) != {"full_attention", "sliding_attention"}:
         raise f.refuse("rope_parameters", "Gemma 3 needs one entry per layer type")
-    max_pos = c["max_position_embeddings"]
-    return dict(
-        rope=rope_config(f, params["full_attention"], max_pos),  # type: ignore[arg-type]
-        local_rope=rope_config(f, params["sliding_attention"], max_pos),  # type: ignore[arg-type]
-        qkv_bias=bias, o_bias=bias, qk_norm=True,
-        layer_windows=layer_windows(f, c["num_layers"], True),  # type: ignore[arg-type]
-        attn_scale=as_float(f, "query_pre_attn_scalar") ** -0.5,
-        attn_logit_softcap=optional_cap(f, "attn_logit_softcapping"),
-        final_logit_softcap=optional_cap(f, "final_logit_softcapping"))
+    max_pos = c.max_position_embeddings
+    c = replace(c, rope=rope_config(f, params["full_attention"], max_pos),
+                local_rope=rope_config(f, params["sliding_attention"], max_pos),
+                qkv_bias=bias, o_bias=bias, qk_norm=True)
+    return _gemma2_attention(f, c)
 
 
 _LLAMA = "GQA, tied embeddings, `attention_bias` (q/k/v/o), `mlp_bias`"
@@ -176,11 +177,10 @@ def read_config(raw: dict[str, object]) -> tuple[ModelConfig, ConfigFields]:
     defaults = cls().to_dict()
     class_fields = frozenset(defaults) | frozenset(f.name for f in fields(cls))
     f = ConfigFields(arch.name, values, defaults, class_fields)
-    common = _common(f, "hidden_activation" if "hidden_activation" in class_fields
-                     else "hidden_act")
-    extra = arch.parse(f, common)
+    act_field = "hidden_activation" if "hidden_activation" in class_fields else "hidden_act"
+    config = arch.parse(f, _common(f, arch.name, act_field))
     f.finish()
-    return ModelConfig(architecture=arch.name, **{**common, **extra}), f  # type: ignore[arg-type]
+    return config, f
 
 
 def build_model(config: ModelConfig, group: TPGroup) -> LlamaForCausalLM:
