@@ -6,6 +6,7 @@ Pure Python and numpy: no torch, no ray. The physical K/V tensors live in ``rayd
 from .allocator import PagedSlotAllocator
 from .base import CachedPrefix, MatchResult, PrefixCache, PrefixHandle, SizeInfo
 from .events import CacheEvent, EventBuffer, EventKind, EventSink
+from .hiradix import WRITE_POLICIES, HiRadixCache, KVCopies
 from .manager import CacheConfig, KVCacheManager
 from .naive import NoPrefixCache
 from .radix import RadixCache
@@ -13,13 +14,16 @@ from .req_table import ReqToTokenPool, RowWrite, TableDiff
 from .tree_node import TreeNode
 
 __all__ = [
+    "WRITE_POLICIES",
     "CacheConfig",
     "CacheEvent",
     "CachedPrefix",
     "EventBuffer",
     "EventKind",
     "EventSink",
+    "HiRadixCache",
     "KVCacheManager",
+    "KVCopies",
     "MatchResult",
     "NoPrefixCache",
     "PagedSlotAllocator",

@@ -19,13 +19,20 @@ class PrefixHandle:
 
     The slots returned with a handle are only safe to use while the handle is locked: an
     unlocked prefix may be evicted at the next allocation. A handle is locked at most once.
+
+    With a host tier (``HiRadixCache``), ``host_len`` more tokens beyond ``cached_len`` are
+    cached in host memory only, up to ``host_node``; the cache manager loads them back when a
+    request row takes the handle, and ``cached_len`` then counts them too.
     """
 
-    __slots__ = ("cached_len", "locked", "node")
+    __slots__ = ("cached_len", "host_len", "host_node", "locked", "node")
 
-    def __init__(self, cached_len: int, node: object) -> None:
+    def __init__(self, cached_len: int, node: object, host_len: int = 0,
+                 host_node: object = None) -> None:
         self.cached_len = cached_len
         self.node = node
+        self.host_len = host_len
+        self.host_node = host_node
         self.locked = False
 
     def __repr__(self) -> str:
@@ -39,6 +46,11 @@ class MatchResult(NamedTuple):
     @property
     def cached_len(self) -> int:
         return self.handle.cached_len
+
+    @property
+    def host_len(self) -> int:
+        """Tokens beyond ``cached_len`` cached in the host tier only (0 without one)."""
+        return self.handle.host_len
 
 
 class SizeInfo(NamedTuple):

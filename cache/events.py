@@ -4,6 +4,10 @@ An event names a path from the root of the ``extra_key`` namespace. ``token_ids`
 path; its last ``num_tokens`` tokens are what was inserted or evicted. A mirror that applies
 the events in ``seq`` order holds exactly what the cache holds. A gap in ``seq`` means events
 were lost, and the mirror should be rebuilt (a ``CLEARED`` event also starts over).
+
+``INSERTED`` / ``EVICTED`` follow the device tier. With a host tier, ``HOST_INSERTED`` /
+``HOST_EVICTED`` follow the host copies the same way (a run of one node, named by its whole
+path); a reader that knows only the device tier ignores them.
 """
 
 from __future__ import annotations
@@ -18,9 +22,11 @@ import numpy.typing as npt
 
 
 class EventKind(enum.Enum):
-    INSERTED = "inserted"
-    EVICTED = "evicted"
+    INSERTED = "inserted"  # now on the device
+    EVICTED = "evicted"  # gone from the device (a host copy may stay)
     CLEARED = "cleared"
+    HOST_INSERTED = "host_inserted"  # a copy now in the host tier (hiradix.py)
+    HOST_EVICTED = "host_evicted"  # the host copy is gone
 
 
 class CacheEvent(NamedTuple):

@@ -23,6 +23,7 @@ import numpy.typing as npt
 from .allocator import PagedSlotAllocator
 from .base import MatchResult, PrefixCache, PrefixHandle, SizeInfo
 from .events import EventSink
+from .hiradix import HiRadixCache, KVCopies
 from .integrity import check_manager
 from .naive import NoPrefixCache
 from .radix import RadixCache
@@ -37,11 +38,18 @@ class CacheConfig:
     max_context_len: int
     page_size: int = 1
     enable_prefix_cache: bool = True
+    num_host_pages: int = 0  # > 0: a host tier of this many pages (hiradix.py)
+    write_policy: str = "write_through_selective"
+    write_through_threshold: int = 2
 
     def __post_init__(self) -> None:
         for name in ("num_pages", "max_running_requests", "max_context_len", "page_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_host_pages < 0:
+            raise ValueError(f"num_host_pages must be >= 0, got {self.num_host_pages}")
+        if self.num_host_pages and not self.enable_prefix_cache:
+            raise ValueError("the host KV tier needs the radix cache (it is turned off)")
 
 
 @dataclass
@@ -59,11 +67,16 @@ class KVCacheManager:
         self.page_size = config.page_size
         self.req_to_token = ReqToTokenPool(config.max_running_requests, config.max_context_len)
         self.allocator = PagedSlotAllocator(config.num_pages, config.page_size)
-        self.prefix_cache: PrefixCache = (
-            RadixCache(config.page_size, config.max_context_len, event_sink)
-            if config.enable_prefix_cache
-            else NoPrefixCache(config.page_size)
-        )
+        self.host_cache: HiRadixCache | None = None
+        self.prefix_cache: PrefixCache
+        if config.num_host_pages:
+            self.prefix_cache = self.host_cache = HiRadixCache(
+                config.page_size, config.num_host_pages, config.max_context_len, event_sink,
+                config.write_policy, config.write_through_threshold)
+        elif config.enable_prefix_cache:
+            self.prefix_cache = RadixCache(config.page_size, config.max_context_len, event_sink)
+        else:
+            self.prefix_cache = NoPrefixCache(config.page_size)
         self._rows: dict[int, _Row] = {}
         self._pinned: dict[int, PrefixHandle] = {}
 
@@ -116,6 +129,8 @@ class KVCacheManager:
         """Give a request a row holding its matched prefix; None when no row is free.
 
         The handle is locked here unless ``lock`` already did; the row then owns that lock.
+        A host-tier part of the match (``match.host_len``) is loaded back to new device slots
+        here, when the device has room: the handle's ``cached_len`` then counts it.
         """
         row = self.req_to_token.alloc()
         if row is None:
@@ -125,7 +140,10 @@ class KVCacheManager:
             del self._pinned[id(handle)]
         else:
             self.prefix_cache.lock(handle)
-        self.req_to_token.write(row, 0, match.slots)
+        slots = match.slots
+        if handle.host_len:
+            slots = np.concatenate((slots, self._load_back(handle)))
+        self.req_to_token.write(row, 0, slots)
         self._rows[row] = _Row(handle, extra_key, handle.cached_len)
         return row
 
@@ -226,6 +244,30 @@ class KVCacheManager:
     def free_req(self, row: int) -> None:
         """Free a request without caching anything it computed (abort)."""
         self.cache_finished_req(row, np.zeros(0, dtype=np.int32))
+
+    def _load_back(self, handle: PrefixHandle) -> SlotArray:
+        """Device slots for the locked handle's host-only part, its loads queued; none when
+        the path is gone or the device has no room (the request computes those tokens)."""
+        cache = self.host_cache
+        slots = None
+        if cache is not None and cache.hold_host_path(handle):
+            self._make_room(handle.host_len // self.page_size)
+            slots = self.allocator.alloc(handle.host_len)
+        if cache is None or slots is None:
+            handle.host_len, handle.host_node = 0, None
+            return np.zeros(0, dtype=np.int32)
+        cache.load_back(handle, slots)
+        return slots
+
+    @property
+    def has_copies(self) -> bool:
+        """Whether host-tier copies wait for the next step plan."""
+        return self.host_cache is not None and self.host_cache.has_copies
+
+    def drain_copies(self) -> KVCopies | None:
+        """The host-tier copies queued since the last drain, for the next step plan (every
+        rank makes them before that step's forward); None without a host tier."""
+        return self.host_cache.drain_copies() if self.host_cache is not None else None
 
     @property
     def has_table_diff(self) -> bool:

@@ -153,20 +153,7 @@ class RadixCache(PrefixCache):
     def insert(
         self, token_ids: npt.ArrayLike, slots: npt.ArrayLike, extra_key: Hashable = None
     ) -> int:
-        key = as_token_array(token_ids)
-        values = np.asarray(slots)
-        if values.ndim != 1 or len(values) != len(key):
-            raise ValueError(
-                f"key and value lengths differ: {len(key)} token ids, {values.size} slots"
-            )
-        if len(key) % self.page_size:
-            raise ValueError(
-                f"key length {len(key)} is not a multiple of page_size {self.page_size}"
-            )
-        if self.max_context_len is not None and len(key) > self.max_context_len:
-            raise ValueError(
-                f"key of {len(key)} tokens is longer than max_context_len {self.max_context_len}"
-            )
+        key, values = self._checked_insert(token_ids, slots)
         if len(key) == 0:
             return 0
         root = self._root(extra_key)
@@ -189,6 +176,25 @@ class RadixCache(PrefixCache):
                 self._emit(EventKind.INSERTED, extra_key, key.copy(), len(key) - present)
         return present
 
+    def _checked_insert(
+        self, token_ids: npt.ArrayLike, slots: npt.ArrayLike
+    ) -> tuple[TokenArray, SlotArray]:
+        key = as_token_array(token_ids)
+        values = np.asarray(slots)
+        if values.ndim != 1 or len(values) != len(key):
+            raise ValueError(
+                f"key and value lengths differ: {len(key)} token ids, {values.size} slots"
+            )
+        if len(key) % self.page_size:
+            raise ValueError(
+                f"key length {len(key)} is not a multiple of page_size {self.page_size}"
+            )
+        if self.max_context_len is not None and len(key) > self.max_context_len:
+            raise ValueError(
+                f"key of {len(key)} tokens is longer than max_context_len {self.max_context_len}"
+            )
+        return key, values
+
     # ------------------------------------------------------------------------------- lock
     def lock(self, handle: PrefixHandle) -> None:
         if handle.locked:
@@ -199,7 +205,7 @@ class RadixCache(PrefixCache):
                 num = len(node.value)
                 self._evictable_size -= num
                 self._protected_size += num
-                if not node.children:
+                if self._is_leaf(node):
                     self._evictable_leaves.discard(node)
             node.lock_ref += 1
             node = node.parent
@@ -214,7 +220,7 @@ class RadixCache(PrefixCache):
                 num = len(node.value)
                 self._evictable_size += num
                 self._protected_size -= num
-                if not node.children:
+                if self._is_leaf(node):
                     self._evictable_leaves.add(node)
             node.lock_ref -= 1
             node = node.parent
@@ -273,6 +279,10 @@ class RadixCache(PrefixCache):
                         self._emit(EventKind.INSERTED, extra_key, tokens, len(tokens))
 
     # ---------------------------------------------------------------------------- helpers
+    def _is_leaf(self, node: TreeNode) -> bool:
+        """Whether eviction may take ``node`` once it is unlocked (no child holds slots)."""
+        return not node.children
+
     def _root(self, extra_key: Hashable) -> TreeNode:
         root = self._roots.get(extra_key)
         if root is None:
@@ -305,6 +315,8 @@ class RadixCache(PrefixCache):
             while stack:
                 node, above = stack.pop()
                 for child in node.children.values():
+                    if not len(child.value):
+                        continue  # in a host tier only (hiradix.py), and so is its subtree
                     yield CachedPrefix(
                         extra_key,
                         np.frombuffer(above, dtype=np.int32),

@@ -10,7 +10,8 @@ from .req_table import SlotArray
 
 
 class TreeNode:
-    __slots__ = ("children", "detached", "id", "key", "last_access", "lock_ref", "parent", "value")
+    __slots__ = ("children", "detached", "hit_count", "host_value", "id", "key", "last_access",
+                 "loading", "lock_ref", "parent", "value")
 
     def __init__(
         self, key: bytes, value: SlotArray, parent: TreeNode | None, tick: int, node_id: int
@@ -23,6 +24,11 @@ class TreeNode:
         self.last_access = tick
         self.detached = False
         self.id = node_id
+        # the host tier (hiradix.py): the node's host slots, or None; an empty ``value`` with
+        # host slots means the K/V is on the host only
+        self.host_value: SlotArray | None = None
+        self.hit_count = 0
+        self.loading = False  # its host slots feed a load not yet handed to the ranks
 
     def __repr__(self) -> str:
         return f"TreeNode(id={self.id}, len={len(self.value)}, lock_ref={self.lock_ref})"
