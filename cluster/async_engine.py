@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import TypeVar, cast
 
 from .engine import Engine
+from .metrics import EngineMetrics
 from .request import GenerationParams, RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -139,8 +140,18 @@ class AsyncEngine:
         to the loop thread that the engine has not taken yet: it takes them between steps, and
         a step can last seconds on a CPU. The engine's own waiting list would miss them. A read
         torn by a step in progress is off by that step; the next read corrects it."""
-        running = len(self.engine.scheduler.running)
+        running = self.engine.num_running
         return running, max(self.num_in_flight - running, 0)
+
+    def metrics(self) -> EngineMetrics:
+        """The engine's gauges, read on the event loop while the loop thread steps (a read torn
+        by a step is off by that step)."""
+        return self.engine.metrics()
+
+    async def check_ranks(self) -> None:
+        """Raise `UnhealthyRanksError` when a rank died, hangs or failed; waits on the ranks
+        without blocking the event loop or the loop thread."""
+        await self.engine.check_health_async()
 
     async def call(self, fn: Callable[[Engine], T]) -> T:
         """Run `fn(engine)` on the loop thread, between steps, and return its result."""

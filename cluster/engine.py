@@ -11,6 +11,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -20,7 +21,7 @@ from raydix.workers.config import ModelConfig
 
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer, TokenDecoder
-from .executor import Executor, LocalExecutor
+from .executor import Executor, LocalExecutor, RankLocation
 from .metrics import EngineMetrics
 from .request import GenerationParams, Request, RequestOutput
 from .scheduler import Scheduler
@@ -28,6 +29,16 @@ from .scheduler import Scheduler
 logger = logging.getLogger(__name__)
 
 StepHook = Callable[[Scheduler], None]
+
+
+class CacheStats(NamedTuple):
+    """The KV cache manager's counters, for /metrics, health tools and tests (no walk over the
+    pool: each is kept as it changes)."""
+
+    num_rows: int  # request rows held
+    num_protected_tokens: int  # prefix-cache tokens locked by running requests
+    kv_capacity: int
+    num_used_tokens: int  # slots held by running requests and protected prefixes
 
 
 class Engine:
@@ -124,6 +135,45 @@ class Engine:
             num_retractions=sched.stats.num_retractions,
             num_finished=sched.stats.num_finished,
         )
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_steps(self) -> int:
+        return self.scheduler.stats.num_steps
+
+    def cache_stats(self) -> CacheStats:
+        cache = self.scheduler.cache
+        return CacheStats(cache.num_running, cache.size_info.protected_size, cache.capacity,
+                          cache.capacity - cache.available_size())
+
+    def audit_cache(self) -> str | None:
+        """The cache manager's full integrity check (it walks every page of the pool, so its
+        cost grows with the pool); None when consistent, else what is wrong."""
+        try:
+            self.scheduler.cache.check_integrity()
+        except RuntimeError as e:
+            return str(e)
+        return None
+
+    def publish_cache_snapshot(self) -> None:
+        """Send the prefix cache's whole content as events again (the router lost track)."""
+        self.scheduler.cache.publish_snapshot()
+
+    def ranks(self) -> tuple[RankLocation, ...]:
+        """Where each rank runs, in rank order."""
+        return self.executor.ranks()
+
+    def check_health(self) -> None:
+        """Raise `UnhealthyRanksError` when a rank died, hangs or failed (blocks)."""
+        self.executor.check_health()
+
+    async def check_health_async(self) -> None:
+        """`check_health` without blocking an event loop (callable from any thread's loop:
+        it reads no scheduler state)."""
+        await self.executor.check_health_async()
 
     def shutdown(self) -> None:
         self.executor.shutdown()

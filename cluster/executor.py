@@ -1,12 +1,37 @@
-"""Runs step plans on a replica's ranks. The engine sees only this interface."""
+"""Runs step plans on a replica's ranks. The engine sees only this interface.
+
+An executor steps the ranks, says where each rank runs (`ranks`), and checks that every rank is
+still there (`check_health`, `check_health_async`): the Serve layer asks the engine, never the
+executor's own type.
+"""
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from raydix.workers.step import StepPlan, StepResult
 
 from .config import EngineConfig
+
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
+
+
+class RankLocation(NamedTuple):
+    """Where one rank of a replica runs."""
+
+    tp_rank: int
+    node_id: str | None  # its Ray node; None: inside the engine's own process
+    worker: ActorHandle | None  # its worker actor; None: inside the engine's own process
+
+
+class UnhealthyRanksError(RuntimeError):
+    """Some ranks failed their health check. `permanent`: one of them died or its follow loop
+    ended, so the group can't step again (rather than a rank that is slow or unreachable)."""
+
+    def __init__(self, message: str, permanent: bool) -> None:
+        super().__init__(message)
+        self.permanent = permanent
 
 
 class Executor(Protocol):
@@ -17,11 +42,24 @@ class Executor(Protocol):
 
     def step(self, plan: StepPlan) -> StepResult: ...
 
+    def ranks(self) -> tuple[RankLocation, ...]:
+        """Every rank, in rank order."""
+        ...
+
+    def check_health(self) -> None:
+        """Raise `UnhealthyRanksError` naming every rank that died, hangs or failed (blocks)."""
+        ...
+
+    async def check_health_async(self) -> None:
+        """`check_health` for an event loop: waits without blocking it."""
+        ...
+
     def shutdown(self) -> None: ...
 
 
 class LocalExecutor:
-    """One rank in this process (tp_size 1): no Ray, no process group."""
+    """One rank in this process (tp_size 1): no Ray, no process group. A failure of that rank
+    raises from `step` itself, so there is nothing else to watch."""
 
     def __init__(self, config: EngineConfig) -> None:
         if config.worker.tp_size != 1:
@@ -39,6 +77,15 @@ class LocalExecutor:
 
     def step(self, plan: StepPlan) -> StepResult:
         return self.worker.step(plan)
+
+    def ranks(self) -> tuple[RankLocation, ...]:
+        return (RankLocation(0, None, None),)
+
+    def check_health(self) -> None:
+        return None
+
+    async def check_health_async(self) -> None:
+        return None
 
     def shutdown(self) -> None:
         return None

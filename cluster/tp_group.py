@@ -34,21 +34,13 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from raydix.workers.config import WorkerConfig
 from raydix.workers.step import StepPlan, StepResult
 
+from .executor import RankLocation, UnhealthyRanksError
 from .placement import check_bundles, create_replica_placement, wait_placed
 from .worker_actor import MAX_CONCURRENCY, WorkerActor
 
 HEALTH_TIMEOUT_S = 10.0
 STOP_TIMEOUT_S = 10.0
 _REMOTE_WORKER = ray.remote(WorkerActor)
-
-
-class UnhealthyRanksError(RuntimeError):
-    """Some ranks failed their health check. `permanent`: one of them died or its follow loop
-    ended, so the group can't step again (rather than a rank that is slow or unreachable)."""
-
-    def __init__(self, message: str, permanent: bool) -> None:
-        super().__init__(message)
-        self.permanent = permanent
 
 
 class RayTPGroup:
@@ -93,6 +85,8 @@ class RayTPGroup:
             self.node_ids: tuple[str, ...] = tuple(ray.get(
                 [a.node_id.remote() for a in self._actors],
                 timeout=max(deadline - time.monotonic(), 1.0)))
+            self._locations = tuple(RankLocation(r, node, actor) for r, (node, actor)
+                                    in enumerate(zip(self.node_ids, self._actors, strict=True)))
         except BaseException:
             self._release()
             raise
@@ -131,6 +125,9 @@ class RayTPGroup:
         if len(set(num_tokens.values())) != 1:
             raise RuntimeError(f"the ranks disagree on the KV pool size: {num_tokens}")
         return num_tokens[0]
+
+    def ranks(self) -> tuple[RankLocation, ...]:
+        return self._locations
 
     def step(self, plan: StepPlan) -> StepResult:
         """Run one step on every rank: one Ray call to rank 0, which broadcasts the plan.

@@ -8,17 +8,22 @@ health calls still answer while a long call runs:
   each step plan from rank 0's broadcast over the CPU (gloo) group. Ray sees no call per step on
   these ranks.
 
-`health` reports a follower loop that ended with an error, which Ray alone would not notice.
-A step plan that fails validation fails on every rank alike; the followers then keep following,
-as rank 0 keeps serving (see `_follow`).
+A step plan that fails validation is refused by rank 0 before its broadcast, so followers only
+run valid plans. Any error in a follower's loop is therefore fatal to the replica: rank 0 would
+wait in the step's next collective forever. The follower logs the error and ends its own process
+(`exit_process`), so rank 0's collective fails, the engine's step raises, and the replica
+leaves (Serve starts a new one); a health check in between sees the actor gone.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
+import os
 import socket
 import threading
 import traceback
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import ray
@@ -30,6 +35,14 @@ if TYPE_CHECKING:
     from raydix.workers.worker import TPWorker
 
 MAX_CONCURRENCY = 4  # start or step, health, plus headroom for shutdown
+
+logger = logging.getLogger(__name__)
+
+
+def exit_process() -> None:
+    """End this worker process at once (from any thread); Ray reports the actor dead."""
+    logging.shutdown()
+    os._exit(1)
 
 
 def free_port() -> int:
@@ -80,20 +93,16 @@ class WorkerActor:
             self._follow_thread.start()
         return self._worker.max_num_tokens
 
-    def _follow(self) -> None:
-        """Follow until the shutdown plan. A plan that fails validation (ValueError, raised
-        before any collective, on every rank alike) fails the step on rank 0 too, which keeps
-        serving; so does the follower. Any other error ends the loop and is kept for `health`."""
-        worker = self._started()
-        while True:
-            try:
-                worker.follow()
-                return
-            except ValueError:
-                continue
-            except BaseException:
-                self._follow_error = traceback.format_exc()
-                return
+    def _follow(self, on_error: Callable[[], None] = exit_process) -> None:
+        """Follow until the shutdown plan. Any error ends the loop, is logged and kept for
+        `health`, and then `on_error` ends the process (see the module docstring)."""
+        try:
+            self._started().follow()
+        except BaseException:
+            self._follow_error = traceback.format_exc()
+            logger.error("rank %d: its follow loop failed; the process ends:\n%s",
+                         self.tp_rank, self._follow_error)
+            on_error()
 
     def step(self, plan: StepPlan) -> StepResult:
         """Rank 0: broadcast `plan` to the followers and run it."""

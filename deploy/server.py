@@ -41,10 +41,9 @@ from raydix.cache import EventBuffer, EventSink
 from raydix.cluster.async_engine import AsyncEngine
 from raydix.cluster.config import EngineConfig
 from raydix.cluster.engine import Engine
-from raydix.cluster.executor import Executor, LocalExecutor
+from raydix.cluster.executor import Executor, LocalExecutor, UnhealthyRanksError
 from raydix.cluster.metrics import EngineMetrics
 from raydix.cluster.request import GenerationParams, RequestOutput
-from raydix.cluster.tp_group import RayTPGroup, UnhealthyRanksError
 from raydix.router.actor import get_or_create_router
 from raydix.router.policy import RoutingPolicyConfig
 from raydix.router.reporter import LoadReport, ReplicaReporter
@@ -151,13 +150,7 @@ def _app_name() -> str:
 
 
 def _audit(engine: Engine) -> str | None:
-    """The KV cache manager's full integrity check: it walks every page of the pool, so it
-    costs time that grows with the pool (seconds at millions of slots)."""
-    try:
-        engine.scheduler.cache.check_integrity()
-    except RuntimeError as e:
-        return str(e)
-    return None
+    return engine.audit_cache()
 
 
 class EngineServer:
@@ -187,11 +180,9 @@ class EngineServer:
         self.engine = AsyncEngine(engine, max_waiting_requests=settings.max_waiting_requests,
                                   on_error=engine_failed)
         self.node_id = _node_id()
-        executor = engine.executor
         self.ranks_info = tuple(
-            RankInfo(self.replica_id, r, executor.node_ids[r], executor.workers[r])
-            if isinstance(executor, RayTPGroup) else RankInfo(self.replica_id, r, self.node_id, None)
-            for r in range(engine_config.worker.tp_size))
+            RankInfo(self.replica_id, r.tp_rank, r.node_id or self.node_id, r.worker)
+            for r in engine.ranks())
         logger.info("replica %s: engine ready", self.replica_id)
         self._reporter: asyncio.Task[None] | None = None
         if stats_board is not None:
@@ -208,14 +199,14 @@ class EngineServer:
 
     async def _publish_snapshot(self) -> None:
         """The router lost track of this replica's cache: send all of it again as events."""
-        await self.engine.call(lambda engine: engine.scheduler.cache.publish_snapshot())
+        await self.engine.call(lambda engine: engine.publish_cache_snapshot())
 
     def _load(self) -> LoadReport:
         """Read on the event loop while the loop thread steps: counters and sizes, no locks;
         a torn read is off by a step and the next report corrects it. Waiting includes the
         requests not yet taken by the engine, which is busy with a step."""
         running, waiting = self.engine.running_and_waiting()
-        return LoadReport(running, waiting, self.engine.engine.metrics().token_usage)
+        return LoadReport(running, waiting, self.engine.metrics().token_usage)
 
     async def _report(self, board: DeploymentHandle, period_s: float) -> None:
         while True:
@@ -242,18 +233,17 @@ class EngineServer:
         cache on the loop thread (once per change: only when steps ran since the last audit)."""
         engine = self.engine.engine
         if self._audit_enabled and self.engine.num_in_flight == 0:
-            num_steps = engine.scheduler.stats.num_steps
+            num_steps = engine.num_steps
             if num_steps != self._audited_steps or self._num_audits == 0:
                 self._integrity_error = await self.engine.call(_audit)
                 self._audited_steps = num_steps
                 self._num_audits += 1
-        cache = engine.scheduler.cache
-        metrics = engine.metrics()
+        cache = engine.cache_stats()
         return ReplicaStats(
-            self.replica_id, metrics, self.engine.num_in_flight, cache.num_running,
-            cache.size_info.protected_size, cache.capacity, self._integrity_error, self.node_id,
+            self.replica_id, engine.metrics(), self.engine.num_in_flight, cache.num_rows,
+            cache.num_protected_tokens, cache.kv_capacity, self._integrity_error, self.node_id,
             tuple(r.node_id for r in self.ranks_info),
-            num_kv_used_tokens=cache.capacity - cache.available_size(),
+            num_kv_used_tokens=cache.num_used_tokens,
             num_audits=self._num_audits)
 
     async def ranks(self) -> tuple[RankInfo, ...]:
@@ -272,14 +262,12 @@ class EngineServer:
         slow or unreachable is left to Serve's count of failed checks."""
         if not self.engine.is_alive:
             raise RuntimeError(f"replica {self.replica_id}: the engine loop is not running")
-        executor = self.engine.engine.executor
-        if isinstance(executor, RayTPGroup):
-            try:
-                await executor.check_health_async()
-            except UnhealthyRanksError as e:
-                if e.permanent:
-                    self._leave(str(e))
-                raise RuntimeError(f"replica {self.replica_id}: {e}") from e
+        try:
+            await self.engine.check_ranks()
+        except UnhealthyRanksError as e:
+            if e.permanent:
+                self._leave(str(e))
+            raise RuntimeError(f"replica {self.replica_id}: {e}") from e
 
     def _leave(self, reason: str) -> None:
         """End this replica soon (once): its engine can't serve any more."""
