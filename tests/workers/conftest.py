@@ -87,6 +87,9 @@ FEATURE_CONFIGS: dict[str, tuple[str, dict[str, object]]] = {
         _ROPE, rope_type="dynamic", factor=4.0))),
     "llama_yarn": ("LlamaConfig", dict(_KV2, max_position_embeddings=128, rope_parameters=dict(
         _ROPE, rope_type="yarn", factor=4.0, original_max_position_embeddings=32))),
+    "llama_llama3": ("LlamaConfig", dict(_KV2, max_position_embeddings=128, rope_parameters=dict(
+        _ROPE, rope_type="llama3", factor=4.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        original_max_position_embeddings=32))),
     "mistral": ("MistralConfig", dict(_KV2, sliding_window=5)),
     "qwen2_swa": ("Qwen2Config", dict(_KV2, use_sliding_window=True, sliding_window=5,
                                       max_window_layers=1)),
