@@ -35,6 +35,58 @@ class RopeConfig:
 
 
 @dataclass(frozen=True)
+class MoEConfig:
+    """A mixture-of-experts MLP (layers/moe.py) and which layers have it."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # of each routed expert
+    sparse_layers: tuple[bool, ...]  # per layer: experts (True) or the dense MLP (False)
+    scoring: str = "softmax"  # "softmax" or "sigmoid" (DeepSeek-V3)
+    renormalize: bool = False  # the top-k weights are divided by their sum
+    routed_scaling_factor: float = 1.0
+    num_groups: int = 1  # grouped top-k: experts in `num_groups` groups, the best
+    topk_group: int = 1  # `topk_group` groups kept per token (DeepSeek)
+    correction_bias: bool = False  # DeepSeek-V3's `e_score_correction_bias`
+    shared_intermediate_size: int = 0  # shared experts, 0 = none
+    shared_expert_gate: bool = False  # the shared expert is scaled by a sigmoid gate (Qwen2-MoE)
+    router_fp32: bool = False  # router logits in float32 (DeepSeek)
+
+    def __post_init__(self) -> None:
+        if self.scoring not in ("softmax", "sigmoid"):
+            raise ValueError(f"MoE scoring must be 'softmax' or 'sigmoid', got {self.scoring!r}")
+        if not 0 < self.top_k <= self.num_experts:
+            raise ValueError(f"top_k={self.top_k} must be in [1, num_experts={self.num_experts}]")
+        if self.num_experts % self.num_groups or not 0 < self.topk_group <= self.num_groups:
+            raise ValueError(f"{self.num_experts} experts cannot be split into {self.num_groups} "
+                             f"groups with {self.topk_group} kept")
+        if self.top_k > self.topk_group * self.num_experts // self.num_groups:
+            raise ValueError(f"top_k={self.top_k} is more than the experts of {self.topk_group} "
+                             "kept groups")
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3). Per token and layer the KV pool holds one
+    latent of `kv_lora_rank + qk_rope_head_dim` values, shared by every head."""
+
+    q_lora_rank: int | None  # None: q is projected directly from the hidden state
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool = True  # the rotary pairs are (x0, x1), (x2, x3), ...
+
+    @property
+    def latent_dim(self) -> int:
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """What the worker needs of a Hugging Face `config.json`, read through transformers' own
     config class and checked field by field (`models/registry.py`): a field that changes the
@@ -64,6 +116,8 @@ class ModelConfig:
     attn_scale: float | None = None  # softmax scale; None: head_dim ** -0.5
     attn_logit_softcap: float = 0.0  # cap * tanh(score / cap) before the softmax; 0 = off
     final_logit_softcap: float = 0.0  # the same on the output logits; 0 = off
+    moe: MoEConfig | None = None  # mixture-of-experts MLP (Mixtral, Qwen2-MoE, DeepSeek)
+    mla: MLAConfig | None = None  # latent attention and the latent KV pool (DeepSeek)
 
     def __post_init__(self) -> None:
         if len(self.layer_windows) != self.num_layers:

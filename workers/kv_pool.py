@@ -56,3 +56,29 @@ class KVPool:
         """Write the new tokens' K/V ([T, heads, head_dim]) at slots `out_cache_loc` ([T])."""
         self.k_buffers[layer_id][out_cache_loc] = k.to(self.config.dtype)
         self.v_buffers[layer_id][out_cache_loc] = v.to(self.config.dtype)
+
+
+class MLAKVPool:
+    """The latent pool of multi-head latent attention (SGLang's `MLATokenToKVPool`):
+    `kv_buffers[layer]`: `[num_slots, 1, kv_lora_rank + qk_rope_head_dim]`, each row one token's
+    [normed c_kv | rotated k_pe], shared by every head. Not head-sharded: every rank holds all of
+    it. `config.num_kv_heads` is 1 and `config.head_dim` the latent width."""
+
+    def __init__(self, config: KVPoolConfig, device: torch.device | str) -> None:
+        if config.num_pages < 1:
+            raise ValueError(f"the KV pool needs at least one page, got {config.num_pages}")
+        if config.num_kv_heads != 1:
+            raise ValueError(f"the latent pool holds one latent per token, not "
+                             f"{config.num_kv_heads} heads")
+        self.config = config
+        shape = (config.num_slots, 1, config.head_dim)
+        self.kv_buffers = [torch.zeros(shape, dtype=config.dtype, device=device)
+                           for _ in range(config.num_layers)]
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.kv_buffers)
+
+    def set_kv(self, layer_id: int, out_cache_loc: torch.Tensor, latent: torch.Tensor) -> None:
+        """Write the new tokens' latents ([T, latent_dim]) at slots `out_cache_loc` ([T])."""
+        self.kv_buffers[layer_id][out_cache_loc, 0] = latent.to(self.config.dtype)

@@ -3,6 +3,8 @@
     rest     = min over ranks of free memory after weights - (1 - mem_fraction_static) * total
     tokens   = rest // cell_size, aligned down to page_size, capped by max_total_tokens
     cell     = kv_heads_per_rank * head_dim * num_layers * 2 (K and V) * dtype_bytes
+    cell     = (kv_lora_rank + qk_rope_head_dim) * num_layers * dtype_bytes   (MLA: one latent,
+               the same on every rank)
 
 `mem_fraction_static` is the share of total memory for weights + KV pool; the remainder is kept
 free for activations. That remainder is a floor, not a guess: `estimate_headroom` counts what the
@@ -79,6 +81,12 @@ def estimate_headroom(shape: ForwardShape) -> Headroom:
 def kv_cell_size(kv_heads_per_rank: int, head_dim: int, num_layers: int, dtype_bytes: int) -> int:
     """Bytes of KV one token takes on one rank."""
     return kv_heads_per_rank * head_dim * num_layers * 2 * dtype_bytes
+
+
+def mla_cell_size(latent_dim: int, num_layers: int, dtype_bytes: int) -> int:
+    """Bytes of latent one token takes on every rank: `latent_dim` is
+    kv_lora_rank + qk_rope_head_dim (no separate K and V, no head split)."""
+    return latent_dim * num_layers * dtype_bytes
 
 
 def profile_max_num_tokens(free_bytes_per_rank: Sequence[int], total_bytes: int,

@@ -13,7 +13,7 @@ from .attention import AttentionBackend, ForwardBatch, make_backend
 from .config import ModelConfig, WorkerConfig
 from .device import resolve_device
 from .host_memory import keep_freed_memory
-from .kv_pool import KVPool, KVPoolConfig
+from .kv_pool import KVPool, KVPoolConfig, MLAKVPool
 from .layers.packed import (
     native_bf16,
     pack_linear_layers,
@@ -29,6 +29,7 @@ from .pool_sizing import (
     Headroom,
     estimate_headroom,
     kv_cell_size,
+    mla_cell_size,
     profile_max_num_tokens,
 )
 from .req_table import RequestTable, to_device
@@ -75,25 +76,30 @@ class ModelRunner:
         self.weight_bytes = weight_bytes(self.model)
 
         heads = head_shard(mc.num_heads, mc.num_kv_heads, config.tp_rank, config.tp_size)
-        # every rank holds the same number of tokens; the rank with the most KV heads sets the cell
-        max_kv_heads = max(head_shard(mc.num_heads, mc.num_kv_heads, r, config.tp_size)
-                           .num_kv_heads for r in range(config.tp_size))
-        cell = kv_cell_size(max_kv_heads, mc.head_dim, mc.num_layers, dtype.itemsize)
+        if mc.mla is not None:  # one latent per token, the same on every rank
+            pool_heads, pool_dim = 1, mc.mla.latent_dim
+            cell = mla_cell_size(pool_dim, mc.num_layers, dtype.itemsize)
+        else:  # every rank holds the same number of tokens: the most KV heads set the cell
+            pool_heads, pool_dim = heads.num_kv_heads, mc.head_dim
+            max_kv_heads = max(head_shard(mc.num_heads, mc.num_kv_heads, r, config.tp_size)
+                               .num_kv_heads for r in range(config.tp_size))
+            cell = kv_cell_size(max_kv_heads, mc.head_dim, mc.num_layers, dtype.itemsize)
         self.headroom = self._headroom(heads.num_q_heads + 2 * heads.num_kv_heads)
         free, total = self._memory_reading()
         num_tokens = profile_max_num_tokens(
             all_gather_ints(free, group), all_reduce_min(total, group),
             config.mem_fraction_static, cell, config.page_size, config.max_total_tokens,
             self.headroom)
-        self.kv_pool = KVPool(KVPoolConfig(num_tokens // config.page_size, config.page_size,
-                                           mc.num_layers, heads.num_kv_heads, mc.head_dim, dtype),
-                              self.device)
+        pool_config = KVPoolConfig(num_tokens // config.page_size, config.page_size,
+                                   mc.num_layers, pool_heads, pool_dim, dtype)
+        self.kv_pool: KVPool | MLAKVPool = (KVPool(pool_config, self.device) if mc.mla is None
+                                            else MLAKVPool(pool_config, self.device))
         self.table = RequestTable(config.max_running_requests, config.max_context_len,
                                   self.kv_pool.config.num_slots, self.device)
         self.req_to_token = self.table.table  # [max_running_requests, max_context_len] int32
         self.backend: AttentionBackend = make_backend(
             config.attention_backend, self.kv_pool, self.req_to_token, heads.num_q_heads,
-            mc.head_dim, self.model.layer_attention())
+            mc.head_dim, self.model.layer_attention(), mc.mla)
         self.sampler = Sampler(self.device)
         self.penalties = PenaltyTracker(mc.vocab_size, self.device)  # driving rank only
         self.sampling_table = SamplingTable()  # driving rank only
@@ -122,10 +128,17 @@ class ModelRunner:
             from .attention.flashinfer_backend import WORKSPACE_BYTES
 
             workspace = WORKSPACE_BYTES
+        intermediate, qkv = mc.intermediate_size, qkv_heads * mc.head_dim
+        if mc.moe is not None:  # each token runs top_k experts and the shared ones
+            intermediate = max(intermediate, mc.moe.top_k * mc.moe.intermediate_size
+                               + mc.moe.shared_intermediate_size)
+        if mc.mla is not None:  # q, the latent, and the prefill's per-head K and V
+            heads, m = -(-mc.num_heads // config.tp_size), mc.mla
+            qkv = heads * (2 * m.qk_head_dim + 2 * m.v_head_dim) + m.latent_dim
         return estimate_headroom(ForwardShape(
             hidden_size=mc.hidden_size,
-            intermediate_per_rank=-(-mc.intermediate_size // config.tp_size),
-            qkv_per_rank=qkv_heads * mc.head_dim, vocab_size=mc.vocab_size,
+            intermediate_per_rank=-(-intermediate // config.tp_size),
+            qkv_per_rank=qkv, vocab_size=mc.vocab_size,
             dtype_bytes=self.dtype.itemsize,
             max_batch_tokens=config.max_prefill_tokens + config.max_running_requests,
             max_batch=config.max_running_requests, graph_max_batch=config.graph_max_batch,

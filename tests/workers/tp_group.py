@@ -18,6 +18,7 @@ import torch.multiprocessing as mp
 
 from raydix.workers.broadcast import broadcast_plan
 from raydix.workers.config import WorkerConfig
+from raydix.workers.kv_pool import MLAKVPool
 from raydix.workers.parallel import init_tp_group
 from raydix.workers.step import GREEDY, ScheduledRequest, StepPlan
 from raydix.workers.worker import TPWorker
@@ -79,8 +80,12 @@ def run_case(worker: TPWorker, case: TPCase) -> TPCaseResult:
     weights.update({f"{name}.weight": mod.packed_weight for name, mod in model.named_modules()
                     if getattr(mod, "packed_weight", None) is not None})  # packed on CPU
     shapes = {name: tuple(p.shape) for name, p in weights.items()
-              if ".layers.0." in name or "embed" in name or "lm_head" in name}
-    shapes["kv_pool"] = tuple(worker.runner.kv_pool.k_buffers[0].shape)
+              if ".layers.0." in name or ".experts.0." in name or "embed" in name
+              or "lm_head" in name}
+    pool = worker.runner.kv_pool
+    buffers = pool.kv_buffers if isinstance(pool, MLAKVPool) else pool.k_buffers
+    shapes["kv_pool"] = tuple(buffers[0].shape)
+    shapes["kv_pool_bytes"] = (pool.num_bytes,)
     return TPCaseResult(outputs, logits, worker.max_num_tokens, shapes, bad_plan_error)
 
 

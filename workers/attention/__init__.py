@@ -7,15 +7,26 @@ from collections.abc import Sequence
 
 import torch
 
-from ..kv_pool import KVPool
+from ..config import MLAConfig
+from ..kv_pool import KVPool, MLAKVPool
 from .base import AttentionBackend, ForwardBatch, LayerAttention
+from .mla_backend import MLABackend
 from .torch_backend import TorchAttentionBackend
 
 
-def make_backend(name: str, pool: KVPool, req_to_token: torch.Tensor, num_q_heads: int,
-                 head_dim: int, layers: Sequence[LayerAttention] | None = None
-                 ) -> AttentionBackend:
-    """The backend called `name` ("torch" or "flashinfer"); flashinfer is imported only here."""
+def make_backend(name: str, pool: KVPool | MLAKVPool, req_to_token: torch.Tensor,
+                 num_q_heads: int, head_dim: int, layers: Sequence[LayerAttention] | None = None,
+                 mla: MLAConfig | None = None) -> AttentionBackend:
+    """The backend called `name` ("torch" or "flashinfer"); flashinfer is imported only here.
+    Latent attention (`mla`, over an `MLAKVPool`) has the torch backend only."""
+    if mla is not None or isinstance(pool, MLAKVPool):
+        if mla is None or not isinstance(pool, MLAKVPool):
+            raise TypeError("latent attention needs both its config and the latent pool")
+        if name != "torch":
+            raise ValueError(f"attention_backend {name!r} has no latent attention (MLA, "
+                             "DeepSeek); use attention_backend='torch' (--attention-backend "
+                             "torch --disable-cuda-graph)")
+        return MLABackend(pool, req_to_token, num_q_heads, mla, layers)
     if name == "torch":
         return TorchAttentionBackend(pool, req_to_token, num_q_heads, head_dim, layers)
     if name == "flashinfer":
@@ -48,5 +59,6 @@ def require_flashinfer() -> None:
         raise ValueError(f"{FLASHINFER_MISSING} (importing it failed: {e})") from e
 
 
-__all__ = ["AttentionBackend", "ForwardBatch", "LayerAttention", "TorchAttentionBackend",
+__all__ = ["AttentionBackend", "ForwardBatch", "LayerAttention", "MLABackend",
+           "TorchAttentionBackend",
            "flashinfer_installed", "make_backend", "require_flashinfer"]

@@ -24,8 +24,11 @@ from .config_fields import (
     optional_cap,
     rope_config,
 )
+from .deepseek import DeepseekV2ForCausalLM
 from .gemma import Gemma2ForCausalLM, Gemma3ForCausalLM, GemmaForCausalLM
 from .llama import LlamaForCausalLM
+from .mixtral import LlamaMoEForCausalLM, MixtralForCausalLM
+from .moe_configs import deepseek_v2, deepseek_v3, mixtral, qwen2_moe, qwen3_moe
 from .phi3 import Phi3ForCausalLM
 
 Parse = Callable[[ConfigFields, ModelConfig], ModelConfig]
@@ -152,6 +155,21 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
     Architecture("Gemma3ForCausalLM", "Gemma3TextConfig", Gemma3ForCausalLM, _gemma3,
                  "Gemma 2's, plus q/k norms, local and global layers with their own rope "
                  "(`layer_types`, per-layer-type `rope_parameters`); text only"),
+    Architecture("MixtralForCausalLM", "MixtralConfig", MixtralForCausalLM, mixtral,
+                 "mixture of experts (softmax top-k, renormalized), sliding window"),
+    Architecture("Qwen2MoeForCausalLM", "Qwen2MoeConfig", LlamaMoEForCausalLM, qwen2_moe,
+                 "Qwen2's attention; experts with a sigmoid-gated shared expert, "
+                 "`norm_topk_prob`, `decoder_sparse_step`, `mlp_only_layers`"),
+    Architecture("Qwen3MoeForCausalLM", "Qwen3MoeConfig", LlamaMoEForCausalLM, qwen3_moe,
+                 "Qwen3's attention; experts, `norm_topk_prob`, `decoder_sparse_step`, "
+                 "`mlp_only_layers`"),
+    Architecture("DeepseekV2ForCausalLM", "DeepseekV2Config", DeepseekV2ForCausalLM,
+                 deepseek_v2, "latent attention (MLA pool; `q_lora_rank` or none), experts "
+                 "with shared experts after `first_k_dense_replace` dense layers, softmax "
+                 "greedy or group-limited routing"),
+    Architecture("DeepseekV3ForCausalLM", "DeepseekV3Config", DeepseekV2ForCausalLM,
+                 deepseek_v3, "DeepSeek-V2's, with sigmoid routing, correction bias and grouped "
+                 "top-k (noaux_tc), `rope_interleave`"),
 )}
 
 
