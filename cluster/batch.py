@@ -7,7 +7,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from raydix.cache import TableDiff
-from raydix.workers.step import PenaltyStart, ScheduledRequest, StepPlan, TableWrite
+from raydix.workers.step import (
+    GrammarStart,
+    PenaltyStart,
+    ScheduledRequest,
+    StepPlan,
+    TableWrite,
+)
 
 from .request import Request
 
@@ -45,7 +51,7 @@ class ScheduledBatch:
         """The step for the ranks: this batch, plus the request table's changes since the last
         plan (`diff`, drained from the cache manager) and each request's sampling settings
         when they are new to its row."""
-        scheduled, penalty_starts = [], []
+        scheduled, penalty_starts, grammar_starts = [], [], []
         for req, num, slots, admitted in zip(self.requests, self.extend_lens, self.slots,
                                              self.admitted, strict=True):
             assert req.row is not None
@@ -53,6 +59,10 @@ class ScheduledBatch:
                 penalty_starts.append(PenaltyStart(
                     req.row, len(req.prompt_ids),
                     req.token_slice(0, req.kv_len).astype(np.int64)))
+            if admitted and req.params.sampling.grammar is not None:
+                prompt_len = len(req.prompt_ids)
+                grammar_starts.append(GrammarStart(req.row, prompt_len, req.token_slice(
+                    prompt_len, max(req.kv_len, prompt_len)).astype(np.int64)))
             sampling = req.sampling_now()
             new_sampling = sampling if sampling is not req.sent_sampling else None
             req.sent_sampling = sampling
@@ -66,4 +76,5 @@ class ScheduledBatch:
                 )
             )
         writes = [TableWrite(w.row_idx, w.start, w.slot_ids) for w in diff.writes]
-        return StepPlan.build(self.step_id, scheduled, writes, diff.freed_rows, penalty_starts)
+        return StepPlan.build(self.step_id, scheduled, writes, diff.freed_rows, penalty_starts,
+                              grammar_starts)

@@ -79,6 +79,8 @@ class Engine:
         prompt = np.asarray(prompt_ids, dtype=np.int32)
         detok = IncrementalDetokenizer(self.tokenizer, prompt.tolist(), params.stop_strings)
         self.scheduler.add_request(Request(rid, prompt, params, detok))
+        if params.sampling.grammar is not None:  # compiles while the request waits its turn
+            self.executor.prepare_grammar(params.sampling.grammar)
         return rid
 
     def abort(self, rid: str) -> RequestOutput | None:

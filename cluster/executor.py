@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
-from raydix.workers.step import StepPlan, StepResult
+from raydix.workers.step import GrammarSpec, StepPlan, StepResult
 
 from .config import EngineConfig
 
@@ -54,6 +54,10 @@ class Executor(Protocol):
         """`check_health` for an event loop: waits without blocking it."""
         ...
 
+    def prepare_grammar(self, spec: GrammarSpec) -> None:
+        """Start compiling `spec` on the driving rank, off the step (returns at once)."""
+        ...
+
     def shutdown(self) -> None: ...
 
 
@@ -86,6 +90,9 @@ class LocalExecutor:
 
     async def check_health_async(self) -> None:
         return None
+
+    def prepare_grammar(self, spec: GrammarSpec) -> None:
+        self.worker.prepare_grammar(spec)
 
     def shutdown(self) -> None:
         return None

@@ -32,7 +32,7 @@ from ray.util.placement_group import PlacementGroup, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from raydix.workers.config import WorkerConfig
-from raydix.workers.step import StepPlan, StepResult
+from raydix.workers.step import GrammarSpec, StepPlan, StepResult
 
 from .executor import RankLocation, UnhealthyRanksError
 from .placement import check_bundles, create_replica_placement, wait_placed
@@ -152,6 +152,11 @@ class RayTPGroup:
                 self._broken = f"step {plan.step_id} failed: {unhealthy}"
                 raise RuntimeError(self._broken) from e
             raise
+
+    def prepare_grammar(self, spec: GrammarSpec) -> None:
+        """Ask rank 0 to start compiling `spec` (no wait: the step that needs it waits)."""
+        if not self._stopped and self._broken is None:
+            self._actors[0].prepare_grammar.remote(spec)
 
     def check_health(self) -> None:
         """Raise a RuntimeError naming every rank whose actor died, hangs or failed. Blocks up

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import ray
 
 from raydix.workers.config import WorkerConfig
-from raydix.workers.step import StepPlan, StepResult
+from raydix.workers.step import GrammarSpec, StepPlan, StepResult
 
 if TYPE_CHECKING:
     from raydix.workers.worker import TPWorker
@@ -108,6 +108,10 @@ class WorkerActor:
         """Rank 0: broadcast `plan` to the followers and run it."""
         with self._step_lock:
             return self._started().step(plan)
+
+    def prepare_grammar(self, spec: GrammarSpec) -> None:
+        """Rank 0: start compiling `spec` in the background; returns at once."""
+        self._started().prepare_grammar(spec)
 
     def stop_followers(self) -> None:
         """Rank 0: send the shutdown plan that ends every follower's loop."""

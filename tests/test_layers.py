@@ -21,7 +21,8 @@ STDLIB = set(sys.stdlib_module_names)
 # third-party top-level modules each package may import (beyond the stdlib)
 THIRD_PARTY = {
     "cache": {"numpy"},
-    "workers": {"torch", "transformers", "safetensors", "numpy", "flashinfer", "gguf", "tqdm"},
+    "workers": {"torch", "transformers", "safetensors", "numpy", "flashinfer", "gguf", "tqdm",
+                "xgrammar"},
     "cluster": {"ray", "numpy", "torch", "yaml"},
     "router": {"ray", "numpy"},
     "deploy": None,  # anything

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -12,6 +13,7 @@ import torch
 from .attention import AttentionBackend, ForwardBatch, make_backend
 from .config import ModelConfig, WorkerConfig
 from .device import resolve_device
+from .grammar import GrammarCompiler, GrammarTable
 from .host_memory import keep_freed_memory
 from .kv_pool import KVPool, KVPoolConfig, MLAKVPool
 from .layers.packed import (
@@ -35,7 +37,7 @@ from .pool_sizing import (
 from .req_table import RequestTable, to_device
 from .sampler import Sampler
 from .sampling_table import SamplingTable
-from .step import StepPlan, StepResult
+from .step import SamplingParams, StepPlan, StepResult
 from .warmup import WarmUpResult, warm_up
 
 if TYPE_CHECKING:  # imported lazily: CUDA graphs need CUDA and flashinfer
@@ -103,6 +105,8 @@ class ModelRunner:
         self.sampler = Sampler(self.device)
         self.penalties = PenaltyTracker(mc.vocab_size, self.device)  # driving rank only
         self.sampling_table = SamplingTable()  # driving rank only
+        self.grammars = GrammarTable(  # driving rank only; xgrammar loads on the first grammar
+            GrammarCompiler(config.model_path, mc.vocab_size, mc.eos_token_ids), self.device)
         self.warm_up: WarmUpResult | None = None
         if config.warm_up:  # before the graphs: eager kernels compile first, then are captured
             self.warm_up = warm_up(self.model, self.backend, self.req_to_token, self.device)
@@ -190,13 +194,12 @@ class ModelRunner:
             return None
         self.penalties.update(plan)  # freed rows too: an empty plan may carry them
         sampling = self.sampling_table.update(plan)
+        self.grammars.update(plan, sampling)
         if plan.batch_size == 0:
             return self._empty_result(plan)
         seq_lens = plan.prefix_lens.astype(np.int64) + plan.extend_lens
-        adjust = None
-        if self.penalties.num_tracked:
-            adjust = functools.partial(self.penalties.apply, plan=plan, sampling=sampling)
-        out = self.sampler.sample(logits, sampling, seq_lens, adjust)
+        out = self.sampler.sample(logits, sampling, seq_lens, self._logit_processors(plan,
+                                                                                     sampling))
         rows = [out.token_ids.double()[None]]  # token ids are exact in float64
         if out.logprobs is not None:
             rows.append(out.logprobs.double()[None])
@@ -214,7 +217,21 @@ class ModelRunner:
             top_ids = host[2 + k: 2 + 2 * k].T.astype(np.int64)
         stopped = np.array([int(t) in p.stop_token_ids for t, p in zip(token_ids, sampling,
                                                                         strict=True)], dtype=bool)
+        if self.grammars.num_active:
+            stopped |= self.grammars.ended(plan, token_ids)
         return StepResult(plan.step_id, token_ids, logprobs, stopped, top_ids, top_logprobs)
+
+    def _logit_processors(self, plan: StepPlan, sampling: tuple[SamplingParams, ...]
+                          ) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """The penalties, then the grammars' token bitmask, as one map of the logits."""
+        steps: list[Callable[[torch.Tensor], torch.Tensor]] = []
+        if self.penalties.num_tracked:
+            steps.append(functools.partial(self.penalties.apply, plan=plan, sampling=sampling))
+        if self.grammars.num_active:
+            steps.append(functools.partial(self.grammars.apply, plan=plan))
+        if not steps:
+            return None
+        return functools.reduce(lambda f, g: lambda x: g(f(x)), steps)
 
     @torch.inference_mode()
     def forward(self, plan: StepPlan) -> torch.Tensor:

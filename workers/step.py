@@ -10,6 +10,9 @@ what changed:
 - `penalty_starts`: for a request with repetition, frequency or presence penalties, when it
   takes a request row: its prompt length and the tokens of its cached prefix, which no step
   carries (penalties.py rebuilds each such request's tokens from there);
+- `grammar_starts`: for a request under a grammar (structured output), when it takes a request
+  row: its prompt length and the output tokens in its cached prefix, which the driving rank's
+  matcher replays (`grammar/`); later output tokens reach the matcher as the steps' inputs;
 - `new_sampling`: a row's `SamplingParams`, sent once when a request takes the row (and again
   only if they change, e.g. when `min_new_tokens` stops banning EOS); the driving rank keeps
   them per row until the row is freed (`sampling_table.py`);
@@ -36,6 +39,23 @@ from typing import NamedTuple
 import numpy as np
 
 MAX_TOP_LOGPROBS = 20
+GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "ebnf", "structural_tag")
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """A constraint on a request's output, compiled by xgrammar on the driving rank.
+
+    `kind`: "json_schema" (`source` is the schema as JSON text), "json_object" (any JSON
+    object; `source` is empty), "regex", "ebnf" (xgrammar's EBNF, root rule `root`) or
+    "structural_tag" (an xgrammar structural tag as JSON text, e.g. tool calls)."""
+
+    kind: str
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in GRAMMAR_KINDS:
+            raise ValueError(f"grammar kind must be one of {GRAMMAR_KINDS}, got {self.kind!r}")
 
 
 @dataclass(frozen=True)
@@ -58,6 +78,7 @@ class SamplingParams:
     # transformers' and vLLM's: over prompt and output tokens, logits > 0 are divided by it and
     # the others multiplied
     repetition_penalty: float = 1.0
+    grammar: GrammarSpec | None = None  # the output follows it; its end ends the request
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -110,6 +131,18 @@ class PenaltyStart:
 
 
 @dataclass(frozen=True)
+class GrammarStart:
+    """A request under a grammar took request row `row_idx`: its matcher starts anew and
+    accepts `output_ids`, the output tokens already in its cached prefix (after a retraction);
+    tokens at positions >= `prompt_len` that later steps carry as input are accepted as they
+    come."""
+
+    row_idx: int
+    prompt_len: int
+    output_ids: np.ndarray  # int64
+
+
+@dataclass(frozen=True)
 class RowSampling:
     """From this step on, request row `row_idx` samples with `sampling`."""
 
@@ -147,6 +180,7 @@ class StepPlan:
     table_writes: tuple[TableWrite, ...] = ()
     freed_rows: tuple[int, ...] = ()
     penalty_starts: tuple[PenaltyStart, ...] = ()
+    grammar_starts: tuple[GrammarStart, ...] = ()
     shutdown: bool = False  # tells follower ranks to leave their loop
 
     def __post_init__(self) -> None:
@@ -169,7 +203,8 @@ class StepPlan:
     def build(cls, step_id: int, requests: Sequence[ScheduledRequest],
               table_writes: Sequence[TableWrite] = (),
               freed_rows: Sequence[int] = (),
-              penalty_starts: Sequence[PenaltyStart] = ()) -> StepPlan:
+              penalty_starts: Sequence[PenaltyStart] = (),
+              grammar_starts: Sequence[GrammarStart] = ()) -> StepPlan:
         for r in requests:
             if len(r.input_ids) != len(r.out_cache_loc):
                 raise ValueError(f"request row {r.row_idx}: {len(r.input_ids)} new tokens but "
@@ -189,6 +224,7 @@ class StepPlan:
             table_writes=tuple(table_writes),
             freed_rows=tuple(freed_rows),
             penalty_starts=tuple(penalty_starts),
+            grammar_starts=tuple(grammar_starts),
         )
 
     @classmethod
@@ -207,7 +243,8 @@ class StepResult(NamedTuple):
     step_id: int
     next_token_ids: np.ndarray  # [B] int64
     logprobs: np.ndarray | None  # [B] float32, NaN where not asked; None when nobody asked
-    stopped: np.ndarray  # [B] bool: the token is one of the request's stop_token_ids
+    # [B] bool: the token is one of the request's stop_token_ids, or ends its grammar
+    stopped: np.ndarray
     # the likeliest tokens under the raw distribution, [B, K] for the largest K asked in the
     # step, likeliest first; None when nobody asked
     top_ids: np.ndarray | None = None  # int64

@@ -12,7 +12,7 @@ from .config import WorkerConfig
 from .device import bind_device
 from .parallel import TPGroup, init_tp_group
 from .runner import ModelRunner
-from .step import StepPlan, StepResult
+from .step import GrammarSpec, StepPlan, StepResult
 
 
 class TPWorker:
@@ -41,6 +41,10 @@ class TPWorker:
         if result is None:
             raise RuntimeError("rank 0 produced no step result")
         return result
+
+    def prepare_grammar(self, spec: GrammarSpec) -> None:
+        """Driving rank only: start compiling `spec` in the background (grammar/compiler.py)."""
+        self.runner.grammars.compiler.prefetch(spec)
 
     def follow(self) -> int:
         """Non-driving ranks: run broadcast plans until shutdown; returns the steps run."""

@@ -1,0 +1,185 @@
+"""Structured output in the engine: a tiny random Llama with the default model's tokenizer
+writes garbage unless its grammar holds it, so a valid output is the grammar's doing.
+
+The same seeded requests run in a roomy pool and in a tiny one with small prompt chunks, where
+requests are retracted and resumed: the matcher must follow each request through its rows (a
+token accepted twice, or one missed, changes the bitmask and so the tokens). Finished, aborted
+and retracted requests leave no matcher behind.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import jsonschema
+import numpy as np
+import pytest
+import torch
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from raydix.cluster.config import EngineConfig, SchedulerConfig
+from raydix.cluster.engine import Engine
+from raydix.cluster.request import FinishReason, GenerationParams
+from raydix.workers.config import WorkerConfig
+from raydix.workers.step import GrammarSpec, SamplingParams
+from tests.cluster.test_engine import assert_drained
+
+EOS = 2
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "tags": {"type": "array", "items": {"enum": ["red", "green"]}, "maxItems": 3},
+        "ok": {"type": "boolean"},
+    },
+    "required": ["name", "age", "tags", "ok"],
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_tok(tmp_path_factory: pytest.TempPathFactory, smollm2: Path) -> Path:
+    torch.manual_seed(1234)
+    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=1024, initializer_range=0.3,
+                         eos_token_id=EOS, bos_token_id=1, tie_word_embeddings=True)
+    folder = tmp_path_factory.mktemp("tiny-tok")
+    LlamaForCausalLM(config).save_pretrained(folder, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (smollm2 / name).is_file():
+            shutil.copy(smollm2 / name, folder / name)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_tok: Path) -> Engine:
+    """One roomy engine for the tests that need no special pool (each leaves it drained)."""
+    return make(tiny_tok)
+
+
+def make(folder: Path, max_total_tokens: int = 4000, **sched: object) -> Engine:
+    defaults: dict[str, object] = dict(max_running_requests=16, max_context_len=512)
+    defaults.update(sched)
+    config = EngineConfig.build(WorkerConfig(model_path=str(folder),
+                                             max_total_tokens=max_total_tokens),
+                                SchedulerConfig(**defaults))  # type: ignore[arg-type]
+    engine = Engine(config, tokenizer=AutoTokenizer.from_pretrained(folder))
+    engine.step_hook = lambda sched: sched.cache.check_integrity()
+    return engine
+
+
+def run(engine: Engine, prompts: list[list[int]], params: list[GenerationParams]
+        ) -> list[tuple[list[int], str, FinishReason | None]]:
+    rids = [engine.add_request(p, q) for p, q in zip(prompts, params, strict=True)]
+    got: dict[str, tuple[list[int], str, FinishReason | None]] = {r: ([], "", None) for r in rids}
+    while engine.has_work:
+        for out in engine.step():
+            tokens, text, _ = got[out.rid]
+            got[out.rid] = (tokens + list(out.new_token_ids), text + out.text, out.finish_reason)
+    engine.step()  # the last finished rows are freed on the ranks with the next plan
+    return [got[r] for r in rids]
+
+
+def grammar_rows(engine: Engine) -> int:
+    return int(engine.executor.worker.runner.grammars.num_active)  # type: ignore[attr-defined]
+
+
+def prompts_of(folder: Path, num: int, length: int = 12) -> list[list[int]]:
+    rng = np.random.default_rng(7)
+    return [rng.integers(10, 40_000, size=length + i % 5).tolist() for i in range(num)]
+
+
+def json_params(num: int) -> list[GenerationParams]:
+    spec = GrammarSpec("json_schema", json.dumps(SCHEMA))
+    return [GenerationParams(sampling=SamplingParams(temperature=0.0 if i % 3 == 0 else 1.0,
+                                                     seed=100 + i, grammar=spec),
+                             max_new_tokens=80) for i in range(num)]
+
+
+def test_json_schema_outputs_validate_and_the_grammar_ends_them(engine: Engine,
+                                                                tiny_tok: Path) -> None:
+    results = run(engine, prompts_of(tiny_tok, 8), json_params(8))
+    for tokens, text, reason in results:
+        jsonschema.validate(json.loads(text), SCHEMA)
+        assert reason is FinishReason.STOP and tokens[-1] == EOS
+    assert len({text for _, text, _ in results}) > 2  # sampled, not one fixed string
+    assert grammar_rows(engine) == 0
+    assert_drained(engine)
+
+
+def test_outputs_are_the_same_under_retraction_and_small_chunks(engine: Engine,
+                                                                tiny_tok: Path) -> None:
+    prompts = [p * 2 for p in prompts_of(tiny_tok, 8)]  # 24-32 tokens each
+    params = json_params(8)
+    roomy = run(engine, prompts, params)
+    tight = make(tiny_tok, max_total_tokens=300, chunked_prefill_size=16, max_prefill_tokens=32,
+                 init_new_token_ratio=0.0, min_new_token_ratio=0.0)
+    squeezed = run(tight, prompts, params)
+    assert tight.metrics().num_retractions > 0
+    assert [r[0] for r in squeezed] == [r[0] for r in roomy]
+    for _, text, _ in squeezed:
+        jsonschema.validate(json.loads(text), SCHEMA)
+    assert grammar_rows(tight) == 0
+    assert_drained(tight)
+
+
+def test_a_resumed_request_replays_the_output_in_its_cached_prefix(engine: Engine,
+                                                                   tiny_tok: Path) -> None:
+    prompt = prompts_of(tiny_tok, 1)[0]
+    params = json_params(2)[1]  # sampled at temperature 1
+    expected = run(engine, [prompt], [params])[0][0]
+    plans = []
+    step = engine.executor.step
+    engine.executor.step = lambda plan: plans.append(plan) or step(plan)  # type: ignore[method-assign]
+    rid = engine.add_request(prompt, params)
+    tokens: list[int] = []
+    while len(tokens) < 8:
+        tokens += [t for out in engine.step() for t in out.new_token_ids]
+    engine.scheduler._retract(engine.scheduler.running[0])  # as a full pool would
+    while engine.has_work:
+        tokens += [t for out in engine.step() if out.rid == rid for t in out.new_token_ids]
+    engine.executor.step = step  # type: ignore[method-assign]
+    assert tokens == expected
+    starts = [s for plan in plans for s in plan.grammar_starts]
+    assert len(starts) == 2 and len(starts[1].output_ids) >= 7  # replayed from the cache
+
+
+def test_abort_with_an_active_grammar_leaves_nothing(engine: Engine, tiny_tok: Path) -> None:
+    params = json_params(4)
+    rids = [engine.add_request(p, q) for p, q in zip(prompts_of(tiny_tok, 4), params, strict=True)]
+    for _ in range(5):
+        engine.step()
+    assert grammar_rows(engine) == 4
+    for rid in rids[:2]:
+        assert engine.abort(rid) is not None
+    while engine.has_work:
+        engine.step()
+    engine.step()
+    assert grammar_rows(engine) == 0
+    assert_drained(engine)
+
+
+@pytest.mark.parametrize(("kind", "source", "check"), [
+    ("regex", r"[0-9]{3}-[a-z]{2,4}", lambda t: __import__("re").fullmatch(r"[0-9]{3}-[a-z]{2,4}", t)),
+    ("ebnf", 'root ::= "yes" | "no" | "maybe " [0-9]', lambda t: t in ("yes", "no") or (
+        t.startswith("maybe ") and t[-1].isdigit() and len(t) == 7)),
+])
+def test_regex_and_ebnf_outputs_match(engine: Engine, tiny_tok: Path, kind: str, source: str,
+                                      check: object) -> None:
+    params = [GenerationParams(sampling=SamplingParams(temperature=1.0, seed=i,
+                                                       grammar=GrammarSpec(kind, source)),
+                               max_new_tokens=40) for i in range(6)]
+    for _, text, reason in run(engine, prompts_of(tiny_tok, 6), params):
+        assert callable(check) and check(text), text
+        assert reason is FinishReason.STOP
+
+
+def test_ignore_eos_still_ends_at_the_end_of_the_grammar(engine: Engine, tiny_tok: Path) -> None:
+    spec = GrammarSpec("ebnf", 'root ::= "done"')
+    params = GenerationParams(sampling=SamplingParams(temperature=1.0, grammar=spec),
+                              max_new_tokens=30, ignore_eos=True)
+    [(_, text, reason)] = run(engine, prompts_of(tiny_tok, 1), [params])
+    assert (text, reason) == ("done", FinishReason.STOP)
