@@ -86,6 +86,22 @@ class AppConfig(BaseModel):
         None, ge=1, description="CUDA: largest decode batch captured under a CUDA graph; "
         "default: max_running_requests"
     )
+    kv_pool: Literal["auto", "double-sparse"] = Field(
+        "auto", description="KV pool; auto: the model's (K and V per head, or one latent per "
+        "token for latent attention); double-sparse: an approximation for long contexts, decode "
+        "attends over the ds_heavy_token_num tokens that score best on ds_heavy_channel_num key "
+        "channels (needs attention_backend torch)"
+    )
+    ds_heavy_channel_num: int = Field(16, ge=1, description="double-sparse: key channels per "
+                                      "head that score tokens")
+    ds_heavy_token_num: int = Field(256, ge=1, description="double-sparse: tokens each query "
+                                    "head attends over")
+    ds_sparse_decode_threshold: int = Field(1024, ge=0, description="double-sparse: contexts "
+                                            "shorter than this decode densely")
+    ds_channel_config: str | None = Field(
+        None, description="double-sparse: JSON file of heavy channels per layer and KV head; "
+        "default: measured on a calibration prompt at start"
+    )
     # memory and scheduling
     mem_fraction_static: float = Field(
         0.85, gt=0, le=1, description="share of device memory for weights and KV pool"
@@ -262,7 +278,15 @@ def engine_config(config: AppConfig, model_path: str, device: str) -> EngineConf
         mem_fraction_static=config.mem_fraction_static,
         max_total_tokens=config.max_total_tokens,
         cpu_memory_budget_bytes=int(config.cpu_memory_budget_gib * (1 << 30)),
+        kv_pool=config.kv_pool,
+        ds_heavy_channel_num=config.ds_heavy_channel_num,
+        ds_heavy_token_num=config.ds_heavy_token_num,
+        ds_sparse_decode_threshold=config.ds_sparse_decode_threshold,
+        ds_channel_config=config.ds_channel_config,
     )
+    if worker.kv_pool == "double-sparse" and worker.attention_backend != "torch":
+        raise ValueError(f"kv_pool double-sparse needs attention_backend torch (here: "
+                         f"{worker.attention_backend}; pass --attention-backend torch)")
     scheduler = SchedulerConfig(
         max_running_requests=config.max_running_requests,
         max_context_len=max_context_len,

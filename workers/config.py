@@ -172,6 +172,14 @@ class WorkerConfig:
     warm_up: bool = True  # run every kernel the first requests need once, before serving
     cpu_packed_linear: bool = True  # CPU: linear layers through oneDNN-packed weights
     cpu_keep_freed_memory: bool = True  # CPU: glibc keeps freed activations (host_memory.py)
+    # "auto": the model's pool (K and V per head; one latent per token for MLA models);
+    # "double-sparse": K and V plus heavy-channel labels, and decode attends over the best
+    # `ds_heavy_token_num` tokens only (an approximation for long contexts; double_sparse.py)
+    kv_pool: str = "auto"
+    ds_heavy_channel_num: int = 16  # key channels per head that score tokens
+    ds_heavy_token_num: int = 256  # tokens each query head attends over
+    ds_sparse_decode_threshold: int = 1024  # shorter contexts decode densely
+    ds_channel_config: str | None = None  # heavy channels file; None: a calibration prompt
 
     def __post_init__(self) -> None:
         if not 0 <= self.tp_rank < self.tp_size:
@@ -185,6 +193,10 @@ class WorkerConfig:
                              f"got {self.attention_backend!r}")
         if self.max_running_requests < 1 or self.max_context_len < 1:
             raise ValueError("max_running_requests and max_context_len must be >= 1")
+        if self.kv_pool not in ("auto", "double-sparse"):
+            raise ValueError(f"kv_pool must be 'auto' or 'double-sparse', got {self.kv_pool!r}")
+        if min(self.ds_heavy_channel_num, self.ds_heavy_token_num) < 1:
+            raise ValueError("ds_heavy_channel_num and ds_heavy_token_num must be >= 1")
         if self.cuda_graph_max_batch is not None and self.cuda_graph_max_batch < 1:
             raise ValueError(f"cuda_graph_max_batch must be >= 1, got {self.cuda_graph_max_batch}")
 

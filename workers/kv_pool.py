@@ -82,3 +82,32 @@ class MLAKVPool:
     def set_kv(self, layer_id: int, out_cache_loc: torch.Tensor, latent: torch.Tensor) -> None:
         """Write the new tokens' latents ([T, latent_dim]) at slots `out_cache_loc` ([T])."""
         self.kv_buffers[layer_id][out_cache_loc, 0] = latent.to(self.config.dtype)
+
+
+class DoubleSparseKVPool(KVPool):
+    """K/V plus SGLang's `DoubleSparseTokenToKVPool` label buffer: `label_buffers[layer]`:
+    `[num_slots, num_kv_heads, heavy_channel_num]`, each token's key on its head's heavy
+    channels (`heavy_channels[layer]`: `[num_kv_heads, heavy_channel_num]`, set before the
+    first token is written)."""
+
+    def __init__(self, config: KVPoolConfig, device: torch.device | str,
+                 heavy_channel_num: int) -> None:
+        super().__init__(config, device)
+        if not 0 < heavy_channel_num <= config.head_dim:
+            raise ValueError(f"heavy_channel_num must be in [1, head_dim={config.head_dim}], "
+                             f"got {heavy_channel_num}")
+        shape = (config.num_slots, config.num_kv_heads, heavy_channel_num)
+        self.label_buffers = [torch.zeros(shape, dtype=config.dtype, device=device)
+                              for _ in range(config.num_layers)]
+        self.heavy_channels = torch.zeros(config.num_layers, config.num_kv_heads,
+                                          heavy_channel_num, dtype=torch.long, device=device)
+
+    @property
+    def num_bytes(self) -> int:
+        return super().num_bytes + sum(t.numel() * t.element_size() for t in self.label_buffers)
+
+    def set_kv(self, layer_id: int, out_cache_loc: torch.Tensor, k: torch.Tensor,
+               v: torch.Tensor) -> None:
+        super().set_kv(layer_id, out_cache_loc, k, v)
+        channels = self.heavy_channels[layer_id][None].expand(k.shape[0], -1, -1)
+        self.label_buffers[layer_id][out_cache_loc] = k.gather(-1, channels).to(self.config.dtype)

@@ -13,6 +13,7 @@ import torch
 from .attention import AttentionBackend, ForwardBatch, make_backend
 from .config import ModelConfig, WorkerConfig
 from .device import resolve_device
+from .double_sparse import make_double_sparse
 from .grammar import GrammarCompiler, GrammarTable
 from .host_memory import keep_freed_memory
 from .kv_pool import KVPool, KVPoolConfig, MLAKVPool
@@ -86,6 +87,8 @@ class ModelRunner:
             max_kv_heads = max(head_shard(mc.num_heads, mc.num_kv_heads, r, config.tp_size)
                                .num_kv_heads for r in range(config.tp_size))
             cell = kv_cell_size(max_kv_heads, mc.head_dim, mc.num_layers, dtype.itemsize)
+            if config.kv_pool == "double-sparse":  # and each head's heavy-channel label
+                cell += max_kv_heads * config.ds_heavy_channel_num * mc.num_layers * dtype.itemsize
         self.headroom = self._headroom(heads.num_q_heads + 2 * heads.num_kv_heads)
         free, total = self._memory_reading()
         num_tokens = profile_max_num_tokens(
@@ -94,14 +97,22 @@ class ModelRunner:
             self.headroom)
         pool_config = KVPoolConfig(num_tokens // config.page_size, config.page_size,
                                    mc.num_layers, pool_heads, pool_dim, dtype)
-        self.kv_pool: KVPool | MLAKVPool = (KVPool(pool_config, self.device) if mc.mla is None
-                                            else MLAKVPool(pool_config, self.device))
+        self.kv_pool: KVPool | MLAKVPool  # the double-sparse pool is made with its backend
+        if config.kv_pool == "auto":
+            self.kv_pool = (KVPool(pool_config, self.device) if mc.mla is None
+                            else MLAKVPool(pool_config, self.device))
         self.table = RequestTable(config.max_running_requests, config.max_context_len,
-                                  self.kv_pool.config.num_slots, self.device)
+                                  pool_config.num_slots, self.device)
         self.req_to_token = self.table.table  # [max_running_requests, max_context_len] int32
-        self.backend: AttentionBackend = make_backend(
-            config.attention_backend, self.kv_pool, self.req_to_token, heads.num_q_heads,
-            mc.head_dim, self.model.layer_attention(), mc.mla)
+        self.backend: AttentionBackend
+        if config.kv_pool == "double-sparse":
+            self.kv_pool, self.backend = make_double_sparse(
+                config, mc, pool_config, heads, self.req_to_token, self.model,
+                self.model.layer_attention(), self.device)
+        else:
+            self.backend = make_backend(
+                config.attention_backend, self.kv_pool, self.req_to_token, heads.num_q_heads,
+                mc.head_dim, self.model.layer_attention(), mc.mla)
         self.sampler = Sampler(self.device)
         self.penalties = PenaltyTracker(mc.vocab_size, self.device)  # driving rank only
         self.sampling_table = SamplingTable()  # driving rank only

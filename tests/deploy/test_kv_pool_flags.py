@@ -1,0 +1,41 @@
+"""`--kv-pool double-sparse` and its settings reach the worker; it refuses flashinfer."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from raydix.deploy.cli import build_parser, load_config
+from raydix.deploy.config import AppConfig, engine_config
+
+
+@pytest.fixture(scope="module")
+def model_folder(tmp_path_factory: pytest.TempPathFactory) -> str:
+    folder = tmp_path_factory.mktemp("config-only")
+    (folder / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 32000, "hidden_size": 2048,
+        "intermediate_size": 5632, "num_hidden_layers": 22, "num_attention_heads": 32,
+        "num_key_value_heads": 4, "max_position_embeddings": 2048}))
+    return str(folder)
+
+
+def test_double_sparse_flags_reach_the_worker(model_folder: str, tmp_path: Path) -> None:
+    argv = ["serve", "--kv-pool", "double-sparse", "--ds-heavy-channel-num", "8",
+            "--ds-heavy-token-num", "64", "--ds-sparse-decode-threshold", "512",
+            "--ds-channel-config", str(tmp_path / "channels.json")]
+    worker = engine_config(load_config(build_parser().parse_args(argv)), model_folder,
+                           "cpu").worker
+    assert (worker.kv_pool, worker.ds_heavy_channel_num, worker.ds_heavy_token_num,
+            worker.ds_sparse_decode_threshold) == ("double-sparse", 8, 64, 512)
+    assert worker.ds_channel_config == str(tmp_path / "channels.json")
+    assert engine_config(AppConfig(), model_folder, "cpu").worker.kv_pool == "auto"
+
+
+def test_double_sparse_refuses_flashinfer(model_folder: str) -> None:
+    with pytest.raises(ValueError, match="double-sparse needs attention_backend torch"):
+        engine_config(AppConfig(kv_pool="double-sparse"), model_folder, "cuda")
+    worker = engine_config(AppConfig(kv_pool="double-sparse", attention_backend="torch"),
+                           model_folder, "cuda").worker
+    assert worker.attention_backend == "torch" and not worker.cuda_graph
