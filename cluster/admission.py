@@ -83,15 +83,18 @@ def schedule_prefill(
             continue
         fill_ids = req.fill_ids
         match = cache.match_prefix(fill_ids[:-1], req.params.extra_key)
+        hit_len = match.cached_len + match.host_len  # a host-tier hit is loaded back
         if in_flight is not None:
             shared = in_flight.match_prefix(fill_ids[:-1], req.params.extra_key).cached_len
-            if shared - match.cached_len >= config.in_batch_prefix_threshold:
+            if shared - hit_len >= config.in_batch_prefix_threshold:
                 continue  # its prefix is being computed now: a cache hit next step
-        extend_len = req.fill_len - match.cached_len
-        # locking the match takes its evictable part out of what allocation can evict
+        extend_len = req.fill_len - hit_len
+        # locking the match takes its evictable part out of what allocation can evict, and
+        # loading its host part back takes device slots
         room = (
             cache.available_size()
             - cache.prefix_cache.evictable_len(match.handle)
+            - match.host_len
             - reserve.tokens(admitted_remaining)
         )
         num = min(
@@ -102,7 +105,7 @@ def schedule_prefill(
         )
         if num <= 0:
             break  # no memory for even one page: wait for running requests to finish
-        row = cache.alloc_req(match, req.params.extra_key)
+        row = cache.alloc_req(match, req.params.extra_key)  # loads the host part back
         if row is None:
             break
         slots = cache.alloc_slots(row, num)

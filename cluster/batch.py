@@ -6,11 +6,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from raydix.cache import TableDiff
+from raydix.cache import KVCopies, TableDiff
 from raydix.workers.step import (
     GrammarStart,
     PenaltyStart,
     ScheduledRequest,
+    SlotCopy,
     StepPlan,
     TableWrite,
 )
@@ -47,10 +48,10 @@ class ScheduledBatch:
             if n == 1 and req.output_ids
         )
 
-    def to_plan(self, diff: TableDiff) -> StepPlan:
+    def to_plan(self, diff: TableDiff, copies: KVCopies | None = None) -> StepPlan:
         """The step for the ranks: this batch, plus the request table's changes since the last
-        plan (`diff`, drained from the cache manager) and each request's sampling settings
-        when they are new to its row."""
+        plan (`diff`, drained from the cache manager), the host tier's copies (`copies`,
+        drained likewise) and each request's sampling settings when they are new to its row."""
         scheduled, penalty_starts, grammar_starts = [], [], []
         for req, num, slots, admitted in zip(self.requests, self.extend_lens, self.slots,
                                              self.admitted, strict=True):
@@ -76,5 +77,9 @@ class ScheduledBatch:
                 )
             )
         writes = [TableWrite(w.row_idx, w.start, w.slot_ids) for w in diff.writes]
+        d2h = h2d = None
+        if copies is not None:
+            d2h = SlotCopy(copies.write_device_slots, copies.write_host_slots)
+            h2d = SlotCopy(copies.load_host_slots, copies.load_device_slots)
         return StepPlan.build(self.step_id, scheduled, writes, diff.freed_rows, penalty_starts,
-                              grammar_starts)
+                              grammar_starts, device_to_host=d2h, host_to_device=h2d)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from raydix.cache import WRITE_POLICIES
 from raydix.workers.config import WorkerConfig
 
 SCHEDULE_POLICIES = ("fcfs", "lpm", "priority")
@@ -26,6 +27,8 @@ class SchedulerConfig:
     new_token_ratio_decay: float = 0.002
     max_lpm_waiting: int = 128  # above this many waiting requests, lpm falls back to fcfs
     in_batch_prefix_threshold: int = 32  # 0: off; see cluster/admission.py
+    # the host KV tier's write policy (cache/hiradix.py), when the ranks have a host pool
+    hicache_write_policy: str = "write_through_selective"
 
     def __post_init__(self) -> None:
         if self.schedule_policy not in SCHEDULE_POLICIES:
@@ -41,6 +44,9 @@ class SchedulerConfig:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.hicache_write_policy not in WRITE_POLICIES:
+            raise ValueError(f"hicache_write_policy must be one of {WRITE_POLICIES}, got "
+                             f"{self.hicache_write_policy!r}")
         if not 0.0 <= self.min_new_token_ratio <= self.init_new_token_ratio <= 1.0:
             raise ValueError("need 0 <= min_new_token_ratio <= init_new_token_ratio <= 1")
 

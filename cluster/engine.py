@@ -56,7 +56,11 @@ class Engine:
         if eos_token_ids is None:
             eos_token_ids = ModelConfig.from_folder(config.worker.model_path).eos_token_ids
         num_pages = self.executor.max_num_tokens // config.scheduler.page_size
-        self.scheduler = Scheduler(config.scheduler, num_pages, eos_token_ids, event_sink)
+        num_host_pages = 0
+        if config.worker.host_tier:
+            num_host_pages = self.executor.max_host_tokens // config.scheduler.page_size
+        self.scheduler = Scheduler(config.scheduler, num_pages, eos_token_ids, event_sink,
+                                   num_host_pages)
         self._rids = itertools.count()
         self.forward_time = 0.0
         self.step_hook: StepHook | None = None  # called after every step (tests, metrics)

@@ -40,6 +40,11 @@ class Executor(Protocol):
         """Usable KV slots on every rank (the pool is sized from the smallest rank)."""
         ...
 
+    @property
+    def max_host_tokens(self) -> int:
+        """Usable host KV slots on every rank (0 without a host tier)."""
+        ...
+
     def step(self, plan: StepPlan) -> StepResult: ...
 
     def ranks(self) -> tuple[RankLocation, ...]:
@@ -78,6 +83,10 @@ class LocalExecutor:
     @property
     def max_num_tokens(self) -> int:
         return self.worker.max_num_tokens
+
+    @property
+    def max_host_tokens(self) -> int:
+        return self.worker.max_host_tokens
 
     def step(self, plan: StepPlan) -> StepResult:
         return self.worker.step(plan)

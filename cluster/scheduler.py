@@ -35,6 +35,7 @@ class Scheduler:
         num_pages: int,
         eos_token_ids: Sequence[int] = (),
         event_sink: EventSink | None = None,
+        num_host_pages: int = 0,
     ) -> None:
         self.config = config
         self.cache = KVCacheManager(
@@ -44,6 +45,8 @@ class Scheduler:
                 max_context_len=config.max_context_len,
                 page_size=config.page_size,
                 enable_prefix_cache=config.enable_prefix_cache,
+                num_host_pages=num_host_pages,
+                write_policy=config.hicache_write_policy,
             ),
             event_sink,
         )
@@ -120,9 +123,9 @@ class Scheduler:
             if self.running:
                 # running prompts hold memory but none can take its next chunk: make room
                 self._retract(self.running[-1])
-            if not self.cache.has_table_diff:
+            if not self.cache.has_table_diff and not self.cache.has_copies:
                 return None
-        plan = batch.to_plan(self.cache.drain_table_diff())
+        plan = batch.to_plan(self.cache.drain_table_diff(), self.cache.drain_copies())
         self.new_token_ratio = max(
             self.config.min_new_token_ratio,
             self.new_token_ratio - self.config.new_token_ratio_decay,

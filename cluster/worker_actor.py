@@ -93,6 +93,10 @@ class WorkerActor:
             self._follow_thread.start()
         return self._worker.max_num_tokens
 
+    def max_host_tokens(self) -> int:
+        """Usable host KV slots of this rank (the ranks agree on it when they start)."""
+        return self._started().max_host_tokens
+
     def _follow(self, on_error: Callable[[], None] = exit_process) -> None:
         """Follow until the shutdown plan. Any error ends the loop, is logged and kept for
         `health`, and then `on_error` ends the process (see the module docstring)."""

@@ -180,6 +180,10 @@ class WorkerConfig:
     ds_heavy_token_num: int = 256  # tokens each query head attends over
     ds_sparse_decode_threshold: int = 1024  # shorter contexts decode densely
     ds_channel_config: str | None = None  # heavy channels file; None: a calibration prompt
+    # the host KV tier (host_kv_pool.py): host tokens per device token (>= 2), or GB per rank;
+    # both 0: no host tier
+    hicache_ratio: float = 0.0
+    hicache_size_gb: float = 0.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.tp_rank < self.tp_size:
@@ -197,8 +201,20 @@ class WorkerConfig:
             raise ValueError(f"kv_pool must be 'auto' or 'double-sparse', got {self.kv_pool!r}")
         if min(self.ds_heavy_channel_num, self.ds_heavy_token_num) < 1:
             raise ValueError("ds_heavy_channel_num and ds_heavy_token_num must be >= 1")
+        if self.hicache_ratio < 0 or self.hicache_size_gb < 0:
+            raise ValueError("hicache_ratio and hicache_size must be >= 0")
+        if self.hicache_ratio and self.hicache_ratio < 2:
+            raise ValueError(f"hicache_ratio must be >= 2 (host tokens per device token), got "
+                             f"{self.hicache_ratio:g}")
+        if self.hicache_ratio and self.hicache_size_gb:
+            raise ValueError("set hicache_ratio or hicache_size, not both")
         if self.cuda_graph_max_batch is not None and self.cuda_graph_max_batch < 1:
             raise ValueError(f"cuda_graph_max_batch must be >= 1, got {self.cuda_graph_max_batch}")
+
+    @property
+    def host_tier(self) -> bool:
+        """Whether each rank keeps a host KV pool (the host tier of the prefix cache)."""
+        return bool(self.hicache_ratio or self.hicache_size_gb)
 
     @property
     def graph_max_batch(self) -> int:

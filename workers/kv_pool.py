@@ -48,6 +48,11 @@ class KVPool:
                           for _ in range(config.num_layers)]
 
     @property
+    def buffers(self) -> list[torch.Tensor]:
+        """Every slot-indexed buffer (dim 0 is the slot), for the host tier to mirror."""
+        return self.k_buffers + self.v_buffers
+
+    @property
     def num_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k_buffers + self.v_buffers)
 
@@ -76,6 +81,11 @@ class MLAKVPool:
                            for _ in range(config.num_layers)]
 
     @property
+    def buffers(self) -> list[torch.Tensor]:
+        """Every slot-indexed buffer (dim 0 is the slot), for the host tier to mirror."""
+        return list(self.kv_buffers)
+
+    @property
     def num_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.kv_buffers)
 
@@ -101,6 +111,10 @@ class DoubleSparseKVPool(KVPool):
                               for _ in range(config.num_layers)]
         self.heavy_channels = torch.zeros(config.num_layers, config.num_kv_heads,
                                           heavy_channel_num, dtype=torch.long, device=device)
+
+    @property
+    def buffers(self) -> list[torch.Tensor]:
+        return super().buffers + self.label_buffers
 
     @property
     def num_bytes(self) -> int:

@@ -15,6 +15,7 @@ from .config import ModelConfig, WorkerConfig
 from .device import resolve_device
 from .double_sparse import make_double_sparse
 from .grammar import GrammarCompiler, GrammarTable
+from .host_kv_pool import HostKVPool, available_host_bytes, host_pool_pages, log_host_pool
 from .host_memory import keep_freed_memory
 from .kv_pool import KVPool, KVPoolConfig, MLAKVPool
 from .layers.packed import (
@@ -113,6 +114,7 @@ class ModelRunner:
             self.backend = make_backend(
                 config.attention_backend, self.kv_pool, self.req_to_token, heads.num_q_heads,
                 mc.head_dim, self.model.layer_attention(), mc.mla)
+        self.host_pool = self._make_host_pool() if config.host_tier else None
         self.sampler = Sampler(self.device)
         self.penalties = PenaltyTracker(mc.vocab_size, self.device)  # driving rank only
         self.sampling_table = SamplingTable()  # driving rank only
@@ -168,6 +170,33 @@ class ModelRunner:
         return CudaGraphRunner(self.model, self.backend, self.config.graph_max_batch,
                                self.config.max_context_len, self.device)
 
+    def _make_host_pool(self) -> HostKVPool:
+        """The host tier's twin of the KV pool; every rank gets the same number of pages."""
+        config, pool = self.config, self.kv_pool
+        bytes_per_page = sum(b[0].numel() * b.element_size() for b in pool.buffers) * (
+            config.page_size)
+        available = available_host_bytes()
+        error = None
+        try:
+            pages = host_pool_pages(pool.config.num_pages, bytes_per_page, config.hicache_ratio,
+                                    config.hicache_size_gb, config.tp_size, available)
+        except ValueError as e:  # every rank must reach the collective below
+            pages, error = 0, e
+        pages = all_reduce_min(pages, self.group)
+        if error is not None:
+            raise error
+        if pages < 1:
+            raise ValueError("another rank of the replica cannot hold the host KV tier")
+        host = HostKVPool(pool.buffers, pages, config.page_size,
+                          pin_memory=self.device.type == "cuda")
+        log_host_pool(host, pool.config.max_num_tokens, available, config.tp_size)
+        return host
+
+    @property
+    def max_host_tokens(self) -> int:
+        """Usable host KV slots (0 without a host tier)."""
+        return self.host_pool.max_num_tokens if self.host_pool is not None else 0
+
     @property
     def max_num_tokens(self) -> int:
         """Usable KV slots; the engine's allocator has `max_num_tokens // page_size` pages."""
@@ -188,14 +217,27 @@ class ModelRunner:
         """Raise ValueError for a plan outside the table or the pool. The driving rank calls
         this before broadcasting, so a bad plan never reaches the followers."""
         self.table.check(plan)
+        self._check_copies(plan)
         if self.config.tp_rank == 0:
             self.sampling_table.check(plan)
+
+    def _check_copies(self, plan: StepPlan) -> None:
+        if self.host_pool is None:
+            if plan.device_to_host or plan.host_to_device:
+                raise ValueError("the plan copies to or from the host KV tier, which this "
+                                 "rank does not have (hicache_ratio / hicache_size unset)")
+            return
+        self.host_pool.check(plan.device_to_host, to_host=True)
+        self.host_pool.check(plan.host_to_device, to_host=False)
 
     @torch.inference_mode()
     def step(self, plan: StepPlan) -> StepResult | None:
         """Apply the plan's table diffs, run the forward, and (rank 0) sample."""
         if self.config.tp_rank == 0:
             self.sampling_table.check(plan)
+        self._check_copies(plan)
+        if self.host_pool is not None:  # the host tier's copies come before the forward
+            self.host_pool.apply(plan.device_to_host, plan.host_to_device)
         if plan.batch_size == 0:
             self.table.check(plan)
             self.table.apply(plan)

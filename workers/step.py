@@ -16,6 +16,9 @@ what changed:
 - `new_sampling`: a row's `SamplingParams`, sent once when a request takes the row (and again
   only if they change, e.g. when `min_new_tokens` stops banning EOS); the driving rank keeps
   them per row until the row is freed (`sampling_table.py`);
+- `device_to_host` / `host_to_device`: the host KV tier's copies (`SlotCopy`: source and
+  destination slots), made on every rank before the forward: the writes to host slots first,
+  then the loads back to device slots (cache/hiradix.py says why that order is safe);
 - the batch itself, packed in request order: row, prefix length and new token ids per request,
   and the slot (`out_cache_loc`) for each new token. The worker writes these slots into the table
   at positions prefix_len .. prefix_len + extend_len - 1 before the forward, so the engine does
@@ -163,6 +166,22 @@ class ScheduledRequest:
 
 
 @dataclass(frozen=True)
+class SlotCopy:
+    """Copy the K/V of slots `src_slots` (one tier) to `dst_slots` (the other), in order."""
+
+    src_slots: np.ndarray  # int32
+    dst_slots: np.ndarray  # int32
+
+    def __post_init__(self) -> None:
+        if len(self.src_slots) != len(self.dst_slots):
+            raise ValueError(f"a slot copy needs as many destinations ({len(self.dst_slots)}) "
+                             f"as sources ({len(self.src_slots)})")
+
+    def __len__(self) -> int:
+        return len(self.src_slots)
+
+
+@dataclass(frozen=True)
 class StepPlan:
     """One forward step for every rank. Arrays are packed in request order.
 
@@ -181,6 +200,8 @@ class StepPlan:
     freed_rows: tuple[int, ...] = ()
     penalty_starts: tuple[PenaltyStart, ...] = ()
     grammar_starts: tuple[GrammarStart, ...] = ()
+    device_to_host: SlotCopy | None = None  # host KV tier: write backups, made first
+    host_to_device: SlotCopy | None = None  # host KV tier: loads back, made second
     shutdown: bool = False  # tells follower ranks to leave their loop
 
     def __post_init__(self) -> None:
@@ -204,7 +225,9 @@ class StepPlan:
               table_writes: Sequence[TableWrite] = (),
               freed_rows: Sequence[int] = (),
               penalty_starts: Sequence[PenaltyStart] = (),
-              grammar_starts: Sequence[GrammarStart] = ()) -> StepPlan:
+              grammar_starts: Sequence[GrammarStart] = (),
+              device_to_host: SlotCopy | None = None,
+              host_to_device: SlotCopy | None = None) -> StepPlan:
         for r in requests:
             if len(r.input_ids) != len(r.out_cache_loc):
                 raise ValueError(f"request row {r.row_idx}: {len(r.input_ids)} new tokens but "
@@ -225,6 +248,8 @@ class StepPlan:
             freed_rows=tuple(freed_rows),
             penalty_starts=tuple(penalty_starts),
             grammar_starts=tuple(grammar_starts),
+            device_to_host=device_to_host if device_to_host else None,
+            host_to_device=host_to_device if host_to_device else None,
         )
 
     @classmethod

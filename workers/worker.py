@@ -32,6 +32,10 @@ class TPWorker:
     def max_num_tokens(self) -> int:
         return self.runner.max_num_tokens
 
+    @property
+    def max_host_tokens(self) -> int:
+        return self.runner.max_host_tokens
+
     def step(self, plan: StepPlan) -> StepResult:
         """Driving rank only: share `plan` with the followers and run it."""
         if self.group.tp_rank != 0:
