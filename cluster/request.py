@@ -60,6 +60,9 @@ class GenerationParams:
                              f"{self.max_new_tokens}], got {self.min_new_tokens}")
         if any(not s for s in self.stop_strings):
             raise ValueError("stop strings must not be empty")
+        if self.min_new_tokens and self.sampling.grammar is not None:
+            raise ValueError("min_new_tokens can't be combined with a grammar: the grammar "
+                             "decides where the output ends")
 
 
 class Usage(NamedTuple):

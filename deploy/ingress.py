@@ -21,7 +21,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from raydix.cluster.request import GenerationParams
-from raydix.workers.step import SamplingParams
+from raydix.workers.step import GrammarSpec, SamplingParams
 
 from .errors import ApiError, bad_request, from_validation_error, too_large, unauthorized
 from .generation import ChoiceStreams, make_choices
@@ -42,6 +42,7 @@ from .responses import (
     completion_response,
     completion_sse,
 )
+from .structured import checked_grammar, requested_grammar
 
 B = TypeVar("B", bound=BaseModel)
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -162,7 +163,8 @@ class OpenAIIngress:
         prompts = self._completion_prompts(body.prompt)
         max_tokens = body.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS
         params = self._params(body, prompts, max_tokens, ("prompt", "max_tokens"),
-                              body.logprobs is not None, body.logprobs or 0)
+                              body.logprobs is not None, body.logprobs or 0,
+                              await self._grammar(body))
         return await self._generate("cmpl", body, prompts, params, chat=False)
 
     async def _chat_completions(self, request: Request) -> Response:
@@ -177,7 +179,7 @@ class OpenAIIngress:
         if body.top_logprobs and not body.logprobs:
             raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
         params = self._params(body, [prompt], max_tokens, ("messages", limit_field),
-                              body.logprobs, body.top_logprobs or 0)
+                              body.logprobs, body.top_logprobs or 0, await self._grammar(body))
         return await self._generate("chatcmpl", body, [prompt], params, chat=True)
 
     # ------------------------------------------------------------------------- pipeline
@@ -204,7 +206,8 @@ class OpenAIIngress:
 
     def _params(self, body: CompletionRequest | ChatCompletionRequest,
                 prompts: list[list[int]], max_tokens: int, fields: tuple[str, str],
-                logprobs: bool, top_logprobs: int) -> GenerationParams:
+                logprobs: bool, top_logprobs: int,
+                grammar: GrammarSpec | None = None) -> GenerationParams:
         """Check the context limit (`fields`: the names of the prompt and of the output
         limit, for the error) and build the engine's parameters."""
         prompt_field, limit_field = fields
@@ -222,6 +225,9 @@ class OpenAIIngress:
         if body.min_tokens > max_tokens:
             raise bad_request(f"min_tokens ({body.min_tokens}) is more than {limit_field} "
                               f"({max_tokens})", "min_tokens")
+        if grammar is not None and body.min_tokens:
+            raise bad_request("min_tokens can't be combined with a constrained output: the "
+                              "grammar decides where the output ends", "min_tokens")
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         if any(not s for s in stop):
             raise bad_request("stop strings must not be empty", "stop")
@@ -233,10 +239,16 @@ class OpenAIIngress:
                                   return_logprob=logprobs, top_logprobs=top_logprobs,
                                   frequency_penalty=body.frequency_penalty,
                                   presence_penalty=body.presence_penalty,
-                                  repetition_penalty=body.repetition_penalty)
+                                  repetition_penalty=body.repetition_penalty,
+                                  grammar=grammar)
         return GenerationParams(sampling=sampling, max_new_tokens=max_tokens,
                                 min_new_tokens=body.min_tokens,
                                 stop_strings=tuple(stop), ignore_eos=body.ignore_eos)
+
+    async def _grammar(self, body: CompletionRequest | ChatCompletionRequest
+                       ) -> GrammarSpec | None:
+        asked = requested_grammar(body)
+        return None if asked is None else await checked_grammar(*asked)
 
     def _token_ids(self, ids: list[int], field: str) -> tuple[int, ...]:
         vocab = len(self.tokenizer)
@@ -270,7 +282,7 @@ class OpenAIIngress:
     def _chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
         if not body.messages:
             raise bad_request("messages must not be empty", "messages")
-        messages = [{"role": m.role, "content": m.content or ""} for m in body.messages]
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
                                                   tokenize=False)
         return list(self.tokenizer.encode(str(text), add_special_tokens=False))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -15,7 +15,34 @@ class StreamOptions(_Body):
     include_usage: bool = Field(False, description="send a last chunk carrying the usage")
 
 
-class _SamplingFields(_Body):
+class JsonSchemaFormat(_Body):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: str = Field("response", description="the schema's name")
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema", description="the JSON schema")
+    strict: bool | None = Field(None, description="the output follows the schema exactly")
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class _GrammarFields(_Body):
+    """Structured output: OpenAI's `response_format`, and vLLM's and SGLang's own fields."""
+
+    response_format: ResponseFormat | None = Field(
+        None, description="text, json_object or json_schema")
+    guided_json: str | dict[str, Any] | None = Field(None, description="a JSON schema")
+    guided_regex: str | None = Field(None, description="a regular expression")
+    guided_choice: list[str] | None = Field(None, description="one of these strings")
+    guided_grammar: str | None = Field(None, description="an EBNF grammar (root rule: root)")
+    regex: str | None = Field(None, description="a regular expression")
+    ebnf: str | None = Field(None, description="an EBNF grammar (root rule: root)")
+
+
+class _SamplingFields(_GrammarFields):
     model: str = Field(description="the served model's name")
     max_tokens: int | None = Field(None, gt=0, description="output tokens at most")
     min_tokens: int = Field(0, ge=0, description="no EOS or stop token id before this many")
@@ -56,10 +83,54 @@ class CompletionRequest(_SamplingFields):
     echo: Literal[False] = Field(False, description="not supported: must be false")
 
 
+class FunctionCall(_Body):
+    name: str
+    arguments: str = Field(description="the arguments as JSON text")
+
+
+class ToolCall(_Body):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ContentPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = Field(None, description="an assistant's tool calls")
+    tool_call_id: str | None = Field(None, description="the call a tool message answers")
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class FunctionDefinition(_Body):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description="a JSON schema")
+    strict: bool | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -69,6 +140,10 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = Field(
         None, ge=0, le=20, description="the likeliest this many tokens per position (logprobs on)"
     )
+    tools: list[Tool] | None = Field(None, description="functions the model may call")
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="none, auto (the default with tools), required, or one function")
+    parallel_tool_calls: bool | None = Field(None, description="more than one call at once")
 
 
 # ------------------------------------------------------------------------------- responses
@@ -119,12 +194,26 @@ class ChatLogprobs(BaseModel):
 
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
+
+
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
 
 
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
