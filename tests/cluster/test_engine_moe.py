@@ -35,3 +35,27 @@ def test_retraction_under_a_small_pool_keeps_transformers_tokens(
     assert metrics.num_retractions > 0
     assert metrics.num_cached_tokens > 0  # the shared prefixes came from the radix cache
     assert_drained(engine)
+
+
+def test_host_tier_over_the_latent_pool(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The host tier mirrors the latent pool like any other: outputs equal the tier off."""
+    from tests.cluster.test_engine_hicache import (
+        assert_same_outputs,
+        assert_tiers_drained,
+        conversations,
+        hicache_engine,
+        run_schedule,
+    )
+
+    folder = tmp_path_factory.mktemp("deepseek_v3_host")
+    save_moe_model("deepseek_v3", folder)
+    schedule = conversations(seed=3, num=4, turns=3, system_len=40)
+    off = hicache_engine(folder, 0)
+    expected = run_schedule(off, schedule, set())
+    on = hicache_engine(folder, 4)
+    assert_same_outputs(run_schedule(on, schedule, set()), expected)
+    host = on.scheduler.cache.host_cache
+    assert host is not None and host.num_loaded_tokens > 0
+    runner = on.executor.worker.runner  # type: ignore[attr-defined]
+    assert [tuple(b.shape[1:]) for b in runner.host_pool.buffers] == [(1, 24)] * 2
+    assert_tiers_drained(on)
