@@ -35,6 +35,7 @@ class Admitted(NamedTuple):
 
     request: Request
     cached_len: int
+    host_hit_len: int = 0  # of cached_len, the tokens loaded back from the host tier
 
 
 @dataclass(frozen=True)
@@ -105,6 +106,7 @@ def schedule_prefill(
         )
         if num <= 0:
             break  # no memory for even one page: wait for running requests to finish
+        device_len = match.cached_len
         row = cache.alloc_req(match, req.params.extra_key)  # loads the host part back
         if row is None:
             break
@@ -114,7 +116,7 @@ def schedule_prefill(
             break
         req.row = row
         req.kv_len = match.cached_len
-        admitted.append(Admitted(req, match.cached_len))
+        admitted.append(Admitted(req, match.cached_len, match.cached_len - device_len))
         admitted_remaining += req.remaining_new_tokens
         batch.add(req, num, slots, admitted=True)
         budget -= num

@@ -18,6 +18,16 @@ class EngineMetrics(NamedTuple):
     num_cached_tokens: int
     num_retractions: int
     num_finished: int
+    # the host KV tier (zero without one)
+    num_host_tokens: int = 0  # tokens with a copy in host memory
+    host_capacity: int = 0
+    host_token_usage: float = 0.0  # num_host_tokens / host_capacity
+    host_hit_rate: float = 0.0  # prompt tokens loaded back from the host / prompt tokens
+    num_host_hit_tokens: int = 0
+    num_loaded_tokens: int = 0  # host -> device since start (retracted requests' too)
+    num_written_tokens: int = 0  # device -> host since start
+    load_throughput: float = 0.0  # tokens loaded back per second since start
+    write_throughput: float = 0.0  # tokens written to the host per second since start
 
 
 @dataclass
@@ -29,10 +39,20 @@ class SchedulerStats:
     num_retractions: int = 0
     num_finished: int = 0
     num_steps: int = 0
+    num_host_hit_tokens: int = 0  # of num_cached_tokens, those loaded back from the host
 
-    def record_admission(self, prompt_len: int, cached_len: int) -> None:
+    def record_admission(self, prompt_len: int, cached_len: int, host_hit_len: int = 0) -> None:
         self.num_prompt_tokens += prompt_len
         self.num_cached_tokens += cached_len
+        self.num_host_hit_tokens += host_hit_len
+
+    @property
+    def host_hit_rate(self) -> float:
+        return self.num_host_hit_tokens / self.num_prompt_tokens if self.num_prompt_tokens else 0.0
+
+    def per_second(self, count: int) -> float:
+        elapsed = time.monotonic() - self.started
+        return count / elapsed if elapsed > 0 else 0.0
 
     @property
     def cache_hit_rate(self) -> float:

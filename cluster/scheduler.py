@@ -146,7 +146,8 @@ class Scheduler:
         if not req.admitted_once:
             req.cached_tokens = entry.cached_len
             req.admitted_once = True
-            self.stats.record_admission(len(req.prompt_ids), entry.cached_len)
+            self.stats.record_admission(len(req.prompt_ids), entry.cached_len,
+                                        entry.host_hit_len)
         req.status = Status.RUNNING
         self.waiting.remove(req)
         self.running.append(req)

@@ -128,6 +128,18 @@ class AppConfig(BaseModel):
         "fcfs", description="order of waiting requests"
     )
     disable_radix_cache: bool = Field(False, description="turn off prefix caching")
+    hicache_ratio: float = Field(
+        0.0, ge=0, description="host KV tier: host tokens per device KV slot (at least 2); "
+        "evicted prefixes stay in host memory and are loaded back on a hit; 0: off"
+    )
+    hicache_size: float = Field(
+        0.0, ge=0, description="host KV tier: GB of host memory per rank, instead of "
+        "hicache_ratio; 0: off"
+    )
+    hicache_write_policy: Literal["write_through", "write_through_selective", "write_back"] = (
+        Field("write_through_selective", description="host KV tier: copy a prefix to host "
+              "memory when cached, when it is hit again, or when evicted from the device")
+    )
     # routing between engine replicas
     router: Literal["cache_aware", "round_robin", "power_of_two"] = Field(
         "cache_aware",
@@ -173,6 +185,14 @@ class AppConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> AppConfig:
+        if 0 < self.hicache_ratio < 2:
+            raise ValueError(f"hicache_ratio must be 0 (off) or at least 2, got "
+                             f"{self.hicache_ratio:g}")
+        if self.hicache_ratio and self.hicache_size:
+            raise ValueError("set hicache_ratio or hicache_size, not both")
+        if (self.hicache_ratio or self.hicache_size) and self.disable_radix_cache:
+            raise ValueError("the host KV tier (hicache_ratio / hicache_size) needs the radix "
+                             "cache, which disable_radix_cache turns off")
         if self.attention_backend == "flashinfer" and self.device == "cpu":
             raise ValueError("attention_backend flashinfer needs device cuda")
         if self.device == "cpu" and self.cuda_graph_max_bs is not None:
@@ -283,6 +303,8 @@ def engine_config(config: AppConfig, model_path: str, device: str) -> EngineConf
         ds_heavy_token_num=config.ds_heavy_token_num,
         ds_sparse_decode_threshold=config.ds_sparse_decode_threshold,
         ds_channel_config=config.ds_channel_config,
+        hicache_ratio=config.hicache_ratio,
+        hicache_size_gb=config.hicache_size,
     )
     if worker.kv_pool == "double-sparse" and worker.attention_backend != "torch":
         raise ValueError(f"kv_pool double-sparse needs attention_backend torch (here: "
@@ -295,5 +317,6 @@ def engine_config(config: AppConfig, model_path: str, device: str) -> EngineConf
         chunked_prefill_size=config.chunked_prefill_size or default_chunk,
         schedule_policy=config.schedule_policy,
         enable_prefix_cache=not config.disable_radix_cache,
+        hicache_write_policy=config.hicache_write_policy,
     )
     return EngineConfig.build(worker, scheduler)

@@ -107,6 +107,14 @@ _ENGINE_GAUGES = (
     ("raydix_cache_hit_rate", "cached prompt tokens / prompt tokens", "cache_hit_rate"),
     ("raydix_generation_throughput", "output tokens per second since start",
      "generation_throughput"),
+    ("raydix_host_kv_tokens", "tokens with a copy in the host KV tier", "num_host_tokens"),
+    ("raydix_host_kv_usage_ratio", "share of the host KV tier in use", "host_token_usage"),
+    ("raydix_host_hit_rate", "prompt tokens loaded back from the host tier / prompt tokens",
+     "host_hit_rate"),
+    ("raydix_host_load_throughput", "tokens loaded back from the host tier per second since "
+     "start", "load_throughput"),
+    ("raydix_host_write_throughput", "tokens written to the host tier per second since start",
+     "write_throughput"),
 )
 _ENGINE_COUNTERS = (
     ("raydix_engine_generated_tokens", "output tokens of the engine", "num_generated_tokens"),
@@ -116,6 +124,12 @@ _ENGINE_COUNTERS = (
     ("raydix_engine_retractions", "requests sent back to the queue for memory",
      "num_retractions"),
     ("raydix_engine_finished_requests", "requests finished", "num_finished"),
+    ("raydix_engine_host_hit_tokens", "prompt tokens loaded back from the host KV tier",
+     "num_host_hit_tokens"),
+    ("raydix_engine_host_loaded_tokens", "tokens copied from the host KV tier to the device",
+     "num_loaded_tokens"),
+    ("raydix_engine_host_written_tokens", "tokens copied from the device to the host KV tier",
+     "num_written_tokens"),
 )
 
 

@@ -17,7 +17,7 @@ import pytest
 from raydix.cache import WRITE_POLICIES
 from raydix.cluster.config import EngineConfig, SchedulerConfig
 from raydix.cluster.engine import Engine
-from raydix.cluster.executor import Executor
+from raydix.cluster.executor import make_executor
 from raydix.cluster.request import FinishReason, GenerationParams, RequestOutput
 from raydix.workers.config import WorkerConfig
 from raydix.workers.step import SamplingParams
@@ -46,8 +46,8 @@ def conversations(seed: int, num: int, turns: int, system_len: int) -> Schedule:
     return schedule
 
 
-def hicache_engine(model: Path, hicache_ratio: float, executor: Executor | None = None,
-                   tp_size: int = 1, **sched: object) -> Engine:
+def hicache_engine(model: Path, hicache_ratio: float, tp_size: int = 1,
+                   **sched: object) -> Engine:
     worker = WorkerConfig(model_path=str(model), tp_size=tp_size, max_total_tokens=192,
                           hicache_ratio=hicache_ratio)
     defaults: dict[str, object] = dict(max_running_requests=8, max_context_len=512,
@@ -55,6 +55,9 @@ def hicache_engine(model: Path, hicache_ratio: float, executor: Executor | None 
                                        init_new_token_ratio=0.0, min_new_token_ratio=0.0)
     defaults.update(sched)
     config = EngineConfig.build(worker, SchedulerConfig(**defaults))  # type: ignore[arg-type]
+    executor = None
+    if tp_size > 1:  # the ranks are Ray actors on fake GPUs
+        executor = make_executor(config, startup_timeout_s=90, use_gpu=True)
     engine = Engine(config, executor=executor)
     engine.step_hook = lambda s: s.cache.check_integrity()
     return engine
@@ -121,6 +124,10 @@ def test_host_tier_outputs_equal_tier_off(tiny_llama: Path, write_policy: str) -
     assert_same_outputs(run_schedule(on, schedule, aborted), expected)
     host = on.scheduler.cache.host_cache
     assert host.num_loaded_tokens > 0 and host.num_written_tokens > 0
+    metrics = on.metrics()
+    assert metrics.num_host_hit_tokens > 0 and metrics.host_hit_rate > 0
+    assert metrics.num_loaded_tokens == host.num_loaded_tokens
+    assert 0 < metrics.num_host_tokens == host.host_size <= metrics.host_capacity
     assert on.metrics().num_retractions + off.metrics().num_retractions > 0
     assert on.metrics().num_cached_tokens > off.metrics().num_cached_tokens
     assert_tiers_drained(on)
