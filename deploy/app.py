@@ -23,6 +23,7 @@ from .config import (
     resolve_model_path,
     routing_policy,
 )
+from .cpu_threads import default_cpu_threads
 from .ingress import OpenAIIngress
 from .server import EngineFactory, EngineServer, ReplicaSettings, build_engine, replica_bundles
 from .stats_board import StatsBoard
@@ -59,6 +60,7 @@ def bind_app(config: AppConfig, engine_factory: EngineFactory = build_engine) ->
     bundles = replica_bundles(config.tp, use_gpu)
     if bundles is not None and ray.is_initialized():
         check_replica_fits(config.tp, use_gpu, num_extra_cpus=1)  # bundle 0: the engine
+    cpu_threads = replica_cpu_threads(config, device, bundles)
     model_path = resolve_model_path(config)
     engine = engine_config(config, model_path, device)
     scaling: dict[str, object]
@@ -74,7 +76,7 @@ def bind_app(config: AppConfig, engine_factory: EngineFactory = build_engine) ->
         name=ENGINE_DEPLOYMENT,
         # above the engine's own admission bound, so the engine answers "overloaded" (503)
         max_ongoing_requests=config.max_running_requests + config.max_waiting_requests + 64,
-        ray_actor_options={"num_cpus": 1},
+        ray_actor_options={"num_cpus": cpu_threads or 1},
         health_check_period_s=config.health_check_period_s,
         health_check_timeout_s=60,
         graceful_shutdown_timeout_s=5,
@@ -92,7 +94,8 @@ def bind_app(config: AppConfig, engine_factory: EngineFactory = build_engine) ->
                                startup_timeout_s=config.startup_timeout_s,
                                router_events=config.router_mode == "exact",
                                router_approx_tokens=config.router_approx_tokens,
-                               debug_cache_audit=config.debug_cache_audit)
+                               debug_cache_audit=config.debug_cache_audit,
+                               cpu_threads=cpu_threads)
     policy = routing_policy(config)
     engine_app = engine_deployment.bind(engine, settings, engine_factory, board, routing=policy)
     ingress = serve.deployment(OpenAIIngress).options(
@@ -117,6 +120,22 @@ def check_attention_backend(config: AppConfig, device: str) -> None:
 
     if torch.cuda.is_available():
         require_flashinfer()
+
+
+def replica_cpu_threads(config: AppConfig, device: str,
+                        bundles: list[dict[str, float]] | None) -> int | None:
+    """The threads (and Ray CPUs) of an engine replica whose rank runs inside it, on a CPU
+    with tp 1; None for replicas whose ranks run elsewhere. By default the replicas share the
+    cores of this machine (see `cpu_threads.py`)."""
+    if device != "cpu" or bundles is not None:
+        if config.cpu_threads is not None:
+            raise ValueError(f"cpu_threads: applies to a replica on the CPU with tp 1, whose rank "
+                             f"runs inside it; this one runs on {device} with tp={config.tp}")
+        return None
+    if config.cpu_threads is not None:
+        return config.cpu_threads
+    replicas = config.autoscaling.max_replicas if config.autoscaling else config.replicas
+    return max(default_cpu_threads(os.cpu_count() or 1) // replicas, 1)
 
 
 def request_router_options(config: AppConfig) -> dict[str, RequestRouterConfig]:

@@ -83,11 +83,15 @@ def load_config(args: argparse.Namespace) -> AppConfig:
 
 
 def local_cpus_needed(config: AppConfig) -> int:
-    """Logical CPUs the app reserves on a machine without GPUs: one per replica, plus one
-    per rank when tp > 1. A local Ray gets at least this many, so that tp 2 fits on 2 cores
-    (the ranks share the cores; Ray's CPUs are only a count)."""
+    """Logical CPUs the app reserves on a machine without GPUs: per replica its threads with
+    tp 1, or one plus one per rank when tp > 1. A local Ray gets at least this many, so that
+    tp 2 fits on 2 cores (the ranks share the cores; Ray's CPUs are only a count)."""
     replicas = config.autoscaling.max_replicas if config.autoscaling else config.replicas
-    return replicas * (1 + (config.tp if config.tp > 1 else 0))
+    if config.tp > 1:
+        return replicas * (1 + config.tp)
+    from .app import replica_cpu_threads
+
+    return replicas * (replica_cpu_threads(config, "cpu", None) or 1)
 
 
 def serve_forever(config: AppConfig) -> None:

@@ -178,6 +178,11 @@ class AppConfig(BaseModel):
     health_check_period_s: float = Field(
         5.0, gt=0, description="how often Serve checks each engine replica (its loop and ranks)"
     )
+    cpu_threads: int | None = Field(
+        None, ge=1, description="on CPU with tp 1: threads of each engine replica, which reserves "
+        "as many Ray CPUs; default: the cores minus one when that leaves two, else all of them, "
+        "shared among the replicas"
+    )
     debug_cache_audit: bool = Field(
         False, description="debug: audit each replica's KV cache in stats calls made while it is "
         "idle (walks the whole pool: seconds at millions of slots)"

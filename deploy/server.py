@@ -48,6 +48,8 @@ from raydix.router.actor import get_or_create_router
 from raydix.router.policy import RoutingPolicyConfig
 from raydix.router.reporter import LoadReport, ReplicaReporter
 
+from .cpu_threads import use_cpu_threads
+
 logger = logging.getLogger(__name__)
 
 EXIT_GRACE_S = 1.0  # after its engine failed, the replica lives this long to send the errors
@@ -63,6 +65,7 @@ class ReplicaSettings:
     router_events: bool = True  # cache_aware: send the cache's events (exact mode)
     router_approx_tokens: int = 4_000_000  # cache_aware without events: the tree's cap
     debug_cache_audit: bool = False  # audit the KV cache manager in idle stats calls (slow)
+    cpu_threads: int | None = None  # the in-process rank's threads; None: leave them be
 
 
 EngineFactory = Callable[[EngineConfig, ReplicaSettings, EventSink | None], Engine]
@@ -169,6 +172,10 @@ class EngineServer:
         self._num_audits = 0
         logger.info("replica %s: starting the engine (tp=%d) over %s", self.replica_id,
                     engine_config.worker.tp_size, engine_config.worker.model_path)
+        if settings.cpu_threads is not None:
+            was_nice = use_cpu_threads(settings.cpu_threads)
+            logger.info("replica %s: %d CPU thread(s), priority nice 0 (was %d)",
+                        self.replica_id, settings.cpu_threads, was_nice)
         events = EventBuffer() if routing is not None and settings.router_events else None
         engine = engine_factory(engine_config, settings, events)
         loop = asyncio.get_running_loop()  # the constructor runs on the replica's event loop

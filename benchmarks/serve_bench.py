@@ -1,0 +1,265 @@
+"""What serving through `raydix serve` costs over the engine in-process, in one run.
+
+The same prompts (random token ids, greedy, `ignore_eos`, a fixed output length) run through
+the in-process engine (the config `raydix serve` would build, one rank in this process) and
+through `raydix serve` started as a user starts it, over HTTP streams. For each number of
+concurrent streams it reports time to first token, time per output token (after the first)
+and output throughput on both paths, and the added TTFT, added time per token and the
+throughput ratio serve / in-process.
+
+Each `--variant` is one `raydix serve` run with those extra flags (e.g. "--cpu-threads 1" and
+"--cpu-threads 2"), all measured against the same in-process baseline; `--threads` lists the
+in-process thread counts tried, and the best in-process figure is the baseline.
+
+    python benchmarks/serve_bench.py [--model default|tiny|PATH] [--streams 1 16 64]
+        [--prompt-len 128] [--output-len 128] [--threads 1 2] [--variant "--cpu-threads 2" ...]
+        [--serve-args "--max-total-tokens 100000"] [--json out.json]
+
+`tiny` is a random 2-layer Llama (hidden 64) with the default model's tokenizer: its step is
+nearly all host work, the CPU's stand-in for a GPU step when measuring the serving path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import NamedTuple
+
+import httpx
+import numpy as np
+import torch
+
+from raydix.cluster.engine import Engine
+from raydix.cluster.request import GenerationParams
+from raydix.deploy.config import AppConfig, engine_config, resolve_model_path
+
+MODEL_NAME = "bench"
+
+
+class Stats(NamedTuple):
+    ttft_s: float  # mean over streams
+    tpot_s: float  # mean over streams: (last token - first token) / (tokens - 1)
+    throughput: float  # output tokens / s over the whole burst
+    max_gap_s: float  # longest wait between two outputs of a stream (serve: SSE chunks)
+
+
+def summarize(starts: float, token_times: list[list[float]]) -> Stats:
+    ttft = [t[0] - starts for t in token_times]
+    tpot = [(t[-1] - t[0]) / (len(t) - 1) for t in token_times if len(t) > 1]
+    end = max(t[-1] for t in token_times)
+    total = sum(len(t) for t in token_times)
+    gaps = [float(np.max(np.diff(t))) for t in token_times if len(t) > 1]
+    return Stats(float(np.mean(ttft)), float(np.mean(tpot)) if tpot else 0.0,
+                 total / (end - starts), max(gaps, default=0.0))
+
+
+def prompts_for(num: int, prompt_len: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(100, vocab, prompt_len).tolist() for _ in range(num)]
+
+
+# ------------------------------------------------------------------------------ in-process
+def run_engine(engine: Engine, prompts: list[list[int]], output_len: int) -> Stats:
+    params = GenerationParams(max_new_tokens=output_len, ignore_eos=True)
+    times: dict[str, list[float]] = {}
+    start = time.perf_counter()
+    for i, p in enumerate(prompts):
+        times[engine.add_request(p, params, f"r{i}")] = []
+    while engine.has_work:
+        outputs = engine.step()
+        now = time.perf_counter()
+        for out in outputs:
+            times[out.rid] += [now] * len(out.new_token_ids)
+    return summarize(start, list(times.values()))
+
+
+def in_process(config: AppConfig, model_path: str, device: str, streams: list[int],
+               prompt_len: int, output_len: int, threads: list[int]) -> dict[int, Stats]:
+    """The best (highest throughput) in-process figure over the thread counts, per load."""
+    from transformers import AutoTokenizer
+
+    engine = Engine(engine_config(config, model_path, device),  # detokenizes, as the server
+                    tokenizer=AutoTokenizer.from_pretrained(model_path))
+    vocab = _vocab(model_path)
+    best: dict[int, Stats] = {}
+    for n_threads in threads if device == "cpu" else [torch.get_num_threads()]:
+        torch.set_num_threads(n_threads)
+        run_engine(engine, prompts_for(2, prompt_len, vocab, seed=99), 8)  # warm-up
+        for n in streams:
+            stats = run_engine(engine, prompts_for(n, prompt_len, vocab, seed=n), output_len)
+            print(f"  in-process, {n_threads} thread(s), {n:3d} streams: "
+                  f"{stats.throughput:8.1f} tok/s, TTFT {stats.ttft_s * 1e3:8.1f} ms, "
+                  f"TPOT {stats.tpot_s * 1e3:6.1f} ms", flush=True)
+            if n not in best or stats.throughput > best[n].throughput:
+                best[n] = stats
+    engine.shutdown()
+    return best
+
+
+def _vocab(model_path: str) -> int:
+    return int(json.loads((Path(model_path) / "config.json").read_text())["vocab_size"])
+
+
+# ----------------------------------------------------------------------------- through serve
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_server(model: str, flags: list[str], log: Path) -> tuple[subprocess.Popen[bytes], str]:
+    port = _free_port()
+    argv = [sys.executable, "-m", "raydix.deploy.cli", "serve", "--model", model,
+            "--served-model-name", MODEL_NAME, "--port", str(port), *flags]
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "HF_HUB_OFFLINE": "1"}
+    with log.open("wb") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+    deadline = time.monotonic() + 300
+    while f"raydix is ready on http://127.0.0.1:{port}" not in log.read_text(errors="replace"):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            stop_server(proc)
+            raise RuntimeError(f"raydix serve did not start:\n{log.read_text()[-3000:]}")
+        time.sleep(0.5)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def stop_server(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)  # anything of its session that outlived it
+
+
+async def _stream(client: httpx.AsyncClient, url: str, prompt: list[int],
+                  output_len: int) -> list[float]:
+    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": output_len, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    times: list[float] = []
+    async with client.stream("POST", url + "/v1/completions", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if line.startswith("data: {"):
+                times.append(time.perf_counter())
+    return times
+
+
+def through_serve(url: str, streams: list[int], prompt_len: int, output_len: int,
+                  vocab: int) -> dict[int, Stats]:
+    async def burst(n: int, seed: int, length: int) -> Stats:
+        async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=256)) as c:
+            start = time.perf_counter()
+            times = await asyncio.gather(*(_stream(c, url, p, length)
+                                           for p in prompts_for(n, prompt_len, vocab, seed)))
+        # chunks, not tokens: spread the output tokens evenly from the first chunk on
+        token_times = [list(np.linspace(t[0], t[-1], length)) if len(t) > 1 else t for t in times]
+        stats = summarize(start, token_times)
+        gaps = [float(np.max(np.diff(t))) for t in times if len(t) > 1]
+        return stats._replace(max_gap_s=max(gaps, default=0.0))
+
+    asyncio.run(burst(2, 99, 8))  # warm-up
+    out = {}
+    for n in streams:
+        out[n] = stats = asyncio.run(burst(n, n, output_len))
+        print(f"  serve, {n:3d} streams: {stats.throughput:8.1f} tok/s, "
+              f"TTFT {stats.ttft_s * 1e3:8.1f} ms, TPOT {stats.tpot_s * 1e3:6.1f} ms, "
+              f"longest gap {stats.max_gap_s * 1e3:7.1f} ms", flush=True)
+    return out
+
+
+# ------------------------------------------------------------------------------------- main
+def tiny_model(folder: Path, tokenizer_from: str) -> str:
+    import shutil
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(1234)
+    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=2048, initializer_range=0.3, eos_token_id=2,
+                         bos_token_id=1, tie_word_embeddings=True)
+    LlamaForCausalLM(config).save_pretrained(folder, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+                 "special_tokens_map.json"):
+        if (Path(tokenizer_from) / name).is_file():
+            shutil.copy(Path(tokenizer_from) / name, folder / name)
+    return str(folder)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="default", help="default, tiny, or a local folder")
+    parser.add_argument("--streams", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2],
+                        help="in-process torch threads tried (CPU); the best is the baseline")
+    parser.add_argument("--serve-args", default="", help="flags for every raydix serve run, "
+                        "also applied to the in-process engine's config where they name one")
+    parser.add_argument("--variant", action="append", default=None,
+                        help="extra flags of one raydix serve run (repeat for several)")
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args()
+
+    common = shlex.split(args.serve_args)
+    variants = args.variant or [""]
+    with tempfile.TemporaryDirectory() as tmp:
+        model = args.model
+        default_path = resolve_model_path(AppConfig())
+        if model == "tiny":
+            model = tiny_model(Path(tmp) / "tiny", default_path)
+        from raydix.deploy.cli import build_parser, load_config
+
+        config = load_config(build_parser().parse_args(["serve", "--model", model, *common]))
+        model_path = resolve_model_path(config)
+        device = "cuda" if torch.cuda.is_available() and config.device != "cpu" else "cpu"
+        print(f"model {args.model}, device {device}, prompts {args.prompt_len} tokens, "
+              f"{args.output_len} output tokens, streams {args.streams}, cores {os.cpu_count()}")
+        print("in-process engine:", flush=True)
+        base = in_process(config, model_path, device, args.streams, args.prompt_len,
+                          args.output_len, args.threads)
+        results: dict[str, dict[int, Stats]] = {}
+        for variant in variants:
+            print(f"raydix serve {args.serve_args} {variant}:", flush=True)
+            proc, url = start_server(model, common + shlex.split(variant), Path(tmp) / "log")
+            try:
+                results[variant] = through_serve(url, args.streams, args.prompt_len,
+                                                 args.output_len, _vocab(model_path))
+            finally:
+                stop_server(proc)
+
+    print("\n| serve flags | streams | in-process tok/s | serve tok/s | ratio | "
+          "added TTFT | added time/token | longest gap |")
+    print("|---|---|---|---|---|---|---|---|")
+    for variant, by_streams in results.items():
+        for n, s in by_streams.items():
+            b = base[n]
+            print(f"| `{(args.serve_args + ' ' + variant).strip() or '(defaults)'}` | {n} | "
+                  f"{b.throughput:.1f} | {s.throughput:.1f} | {s.throughput / b.throughput:.2f} | "
+                  f"{(s.ttft_s - b.ttft_s) * 1e3:+.1f} ms | {(s.tpot_s - b.tpot_s) * 1e3:+.2f} ms "
+                  f"| {s.max_gap_s * 1e3:.0f} ms |")
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "base": {n: s._asdict() for n, s in base.items()},
+            "serve": {v: {n: s._asdict() for n, s in r.items()} for v, r in results.items()}},
+            indent=2))
+
+
+if __name__ == "__main__":
+    main()

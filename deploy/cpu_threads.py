@@ -1,0 +1,57 @@
+"""The CPU threads of an engine replica whose rank runs inside it (tp 1 on a CPU).
+
+Ray starts a worker with `OMP_NUM_THREADS` set to the CPUs it reserved (1 unless told) and at
+nice 15 (its `worker_niceness`). An engine replica left so computes on one thread at a low
+priority, behind Ray's own processes. So the replica reserves `cpu_threads` CPUs, sets torch's
+and OpenMP's thread counts to that explicitly, and takes back the normal priority.
+
+The default leaves one core to Ray, the proxy and the ingress when that still leaves the
+engine two; on smaller machines it was chosen by measurement (README, "Serving on a CPU").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+
+logger = logging.getLogger(__name__)
+
+THREADS_ON_SMALL_MACHINES = 2  # cores <= 2: measured faster than 1 (README)
+
+
+def default_cpu_threads(num_cores: int) -> int:
+    """The engine's threads on a machine of `num_cores` cores."""
+    if num_cores - 1 >= 2:
+        return num_cores - 1
+    return max(min(THREADS_ON_SMALL_MACHINES, num_cores), 1)
+
+
+def use_cpu_threads(num_threads: int) -> int:
+    """Compute on `num_threads` threads in this process, at the normal priority; returns the
+    nice value the process's threads had (Ray's worker_niceness), for the start-up log."""
+    import torch
+
+    os.environ["OMP_NUM_THREADS"] = str(num_threads)  # for libraries that start later
+    os.environ["MKL_NUM_THREADS"] = str(num_threads)
+    torch.set_num_threads(num_threads)
+    return _normal_priority()
+
+
+def _normal_priority() -> int:
+    """Nice 0 for every thread of this process (Linux keeps a nice value per thread; threads
+    made later inherit their maker's). Without the right to raise priority, log it and stay."""
+    was = os.getpriority(os.PRIO_PROCESS, 0)
+    if was <= 0:
+        return was
+    tids = [os.getpid()]
+    with contextlib.suppress(OSError):
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    try:
+        for tid in tids:
+            with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+                os.setpriority(os.PRIO_PROCESS, tid, 0)
+    except PermissionError:
+        logger.warning("the engine replica runs at nice %d (Ray's worker_niceness) and may not "
+                       "raise its priority: Ray's processes compete with its threads", was)
+    return was
