@@ -15,6 +15,7 @@ from ray.serve.config import RequestRouterConfig
 from raydix.cluster.placement import check_replica_fits
 from raydix.router.serve_router import CacheAwareRequestRouter, RoundRobinRequestRouter
 
+from .capacity import check_replicas_fit, replica_resources
 from .config import (
     AppConfig,
     attention_backend,
@@ -33,6 +34,7 @@ ENGINE_DEPLOYMENT = "EngineServer"
 INGRESS_DEPLOYMENT = "OpenAIIngress"
 STATS_BOARD_DEPLOYMENT = "StatsBoard"
 MAX_INGRESS_ONGOING_REQUESTS = 4096
+GRACEFUL_WAIT_LOOP_S = 0.2  # a stopping replica checks this often for requests still running
 
 
 def _cluster_gpus() -> float:
@@ -52,8 +54,9 @@ def bind_app(config: AppConfig, engine_factory: EngineFactory = build_engine) ->
     """Bind the stats board, the engine deployment (engines made by `engine_factory`) and the
     ingress for `config`. The default model is converted here, once, before any replica.
 
-    Connected to a Ray cluster, a replica that no node could hold is refused here with a
-    ValueError (Serve would keep it pending without end)."""
+    Connected to a Ray cluster, a replica that no node could hold, or more replicas than the
+    nodes hold, are refused here with a ValueError (Serve would keep them pending without
+    end), unless an autoscaler can add nodes."""
     device = resolve_device(config, _cluster_gpus())
     check_attention_backend(config, device)
     use_gpu = config.use_gpu_bundles if config.use_gpu_bundles is not None else device == "cuda"
@@ -61,6 +64,9 @@ def bind_app(config: AppConfig, engine_factory: EngineFactory = build_engine) ->
     if bundles is not None and ray.is_initialized():
         check_replica_fits(config.tp, use_gpu, num_extra_cpus=1)  # bundle 0: the engine
     cpu_threads = replica_cpu_threads(config, device, bundles)
+    if ray.is_initialized():
+        check_replicas_fit(config.autoscaling.min_replicas if config.autoscaling else
+                           config.replicas, replica_resources(config.tp, use_gpu, cpu_threads))
     model_path = resolve_model_path(config)
     engine = engine_config(config, model_path, device)
     scaling: dict[str, object]
@@ -79,7 +85,8 @@ def bind_app(config: AppConfig, engine_factory: EngineFactory = build_engine) ->
         ray_actor_options={"num_cpus": cpu_threads or 1},
         health_check_period_s=config.health_check_period_s,
         health_check_timeout_s=60,
-        graceful_shutdown_timeout_s=5,
+        graceful_shutdown_timeout_s=config.shutdown_timeout,
+        graceful_shutdown_wait_loop_s=GRACEFUL_WAIT_LOOP_S,
         **scaling,  # type: ignore[arg-type]
         **placement,  # type: ignore[arg-type]
         **request_router_options(config),  # type: ignore[arg-type]
@@ -102,6 +109,8 @@ def bind_app(config: AppConfig, engine_factory: EngineFactory = build_engine) ->
         name=INGRESS_DEPLOYMENT,
         num_replicas=config.ingress_replicas,
         max_ongoing_requests=MAX_INGRESS_ONGOING_REQUESTS,
+        graceful_shutdown_timeout_s=config.shutdown_timeout,  # its streams end with them
+        graceful_shutdown_wait_loop_s=GRACEFUL_WAIT_LOOP_S,
         ray_actor_options={"num_cpus": 0},
     )
     return ingress.bind(engine_app, board, model_path, config.model_name,

@@ -26,6 +26,7 @@ logger = logging.getLogger("raydix")
 
 APP_NAME = "raydix"
 _NOT_FLAGS = {"autoscaling"}  # nested settings: YAML only
+STOP_MARGIN_S = 5.0  # beyond shutdown_timeout: Serve ending the replicas it had to stop
 
 
 class ConfigError(Exception):
@@ -95,13 +96,14 @@ def local_cpus_needed(config: AppConfig) -> int:
 
 
 def serve_forever(config: AppConfig) -> None:
-    """Start (or join) Ray, deploy the app, log when it is ready, block until Ctrl-C."""
+    """Start (or join) Ray, deploy the app, log when it is ready, serve until SIGTERM or
+    SIGINT; then stop (`_stop`)."""
     import ray
     from ray import serve
 
     from .app import build_app
 
-    signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops as cleanly as Ctrl-C
+    _catch_stop_signals()
     logger.info("preparing the model %s", config.model)
     resolve_model_path(config)  # the default model is converted here, once, with a progress bar
     if config.address is None:
@@ -114,25 +116,61 @@ def serve_forever(config: AppConfig) -> None:
     else:
         logger.info("joining the Ray cluster at %s", config.address)
         ray.init(address=config.address)
+    _catch_stop_signals()  # again: ray.init put its own SIGTERM handler in place
     try:
         serve.start(http_options={"host": config.host, "port": config.port})
         app = build_app(config)
         logger.info("deploying %s engine replica(s) with tp=%d; the replicas load the model",
                     config.replicas if config.autoscaling is None else "autoscaled", config.tp)
         serve.run(app, name=APP_NAME, route_prefix="/")
+        _log_start_facts()
         logger.info("raydix is ready on http://%s:%d (model %r)", config.host, config.port,
                     config.model_name)
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
-        logger.info("shutting down")
+        logger.info("shutting down: requests in flight have %g s to finish",
+                    config.shutdown_timeout)
     finally:
-        if config.address is None:
-            serve.shutdown()
-        else:
-            serve.delete(APP_NAME)
+        _stop(config)
+
+
+def _log_start_facts() -> None:
+    """What the engine replicas started with (their own log lines stay in their actors)."""
+    from ray import serve
+
+    from .app import ENGINE_DEPLOYMENT
+
+    handle = serve.get_deployment_handle(ENGINE_DEPLOYMENT, app_name=APP_NAME)
+    try:
+        facts = handle.start_facts.remote().result(timeout_s=30)
+    except Exception as e:  # the facts are a courtesy; serving goes on without them
+        logger.warning("no start-up facts from the engine replicas: %r", e)
+        return
+    for line in facts.describe():
+        logger.info("%s", line)
+
+
+def _stop(config: AppConfig) -> None:
+    """Stop taking requests, give those in flight `shutdown_timeout` seconds (the replicas'
+    graceful shutdown, after which Serve ends them), then end the Ray instance this process
+    started, or leave the cluster it joined. A second signal cuts the wait short."""
+    import ray
+    from ray import serve
+
+    try:
+        with contextlib.suppress(Exception):  # Serve may not have started
+            serve.delete(APP_NAME, _blocking=False)
+            deadline = time.monotonic() + config.shutdown_timeout + STOP_MARGIN_S
+            while (APP_NAME in serve.status().applications
+                   and time.monotonic() < deadline):
+                time.sleep(0.1)
+        if config.address is not None:
             _drop_router_actor(APP_NAME)  # detached: it would outlive the app on a cluster
-        ray.shutdown()
+    except KeyboardInterrupt:
+        logger.info("stopping at once")
+    finally:
+        ray.shutdown()  # a local instance ends with its processes; a joined one is left
 
 
 def _drop_router_actor(app_name: str) -> None:
@@ -142,6 +180,12 @@ def _drop_router_actor(app_name: str) -> None:
 
     with contextlib.suppress(ValueError):  # never made (another router, or no replica)
         ray.kill(get_router(app_name), no_restart=True)
+
+
+def _catch_stop_signals() -> None:
+    """SIGTERM (`kill`) stops as Ctrl-C does."""
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, _interrupt)
 
 
 def _interrupt(signum: int, frame: object) -> None:

@@ -178,6 +178,10 @@ class AppConfig(BaseModel):
     health_check_period_s: float = Field(
         5.0, gt=0, description="how often Serve checks each engine replica (its loop and ranks)"
     )
+    shutdown_timeout: float = Field(
+        5.0, ge=0, description="seconds that requests in flight get to finish after SIGTERM or "
+        "Ctrl-C, before they are aborted"
+    )
     cpu_threads: int | None = Field(
         None, ge=1, description="on CPU with tp 1: threads of each engine replica, which reserves "
         "as many Ray CPUs; default: the cores minus one when that leaves two, else all of them, "

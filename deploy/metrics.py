@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from raydix.cluster.request import RequestOutput
 
 from .errors import ApiError
-from .server import ReplicaStats
+from .replica_stats import ReplicaStats
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -132,6 +132,14 @@ _ENGINE_COUNTERS = (
      "num_written_tokens"),
 )
 
+_REPLICA_GAUGES = (
+    ("raydix_requests_in_flight", "requests handed to the replica and not finished",
+     "num_in_flight"),
+    ("raydix_kv_capacity_tokens", "KV pool capacity of the replica, in tokens", "kv_capacity"),
+    ("raydix_kv_used_tokens", "KV pool tokens held by requests and the prefixes they use",
+     "num_kv_used_tokens"),
+)
+
 
 def _label(value: str) -> str:
     return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
@@ -148,11 +156,13 @@ def render_engine(stats: Sequence[ReplicaStats]) -> str:
         lines += [f"# HELP {name}_total {help_text}", f"# TYPE {name}_total counter"]
         lines += [f'{name}_total{{replica="{_label(s.replica_id)}"}} '
                   f"{float(getattr(s.metrics, field))}" for s in stats]
-    name = "raydix_requests_in_flight"
-    lines += [f"# HELP {name} requests handed to the replica and not finished",
-              f"# TYPE {name} gauge"]
-    lines += [f'{name}{{replica="{_label(s.replica_id)}"}} {float(s.num_in_flight)}'
-              for s in stats]
+    for name, help_text, field in _REPLICA_GAUGES:
+        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge"]
+        lines += [f'{name}{{replica="{_label(s.replica_id)}"}} {float(getattr(s, field))}'
+                  for s in stats]
+    name = "raydix_engine_replicas"
+    lines += [f"# HELP {name} engine replicas reporting their stats", f"# TYPE {name} gauge",
+              f"{name} {float(len(stats))}"]
     return "\n".join(lines) + "\n"
 
 

@@ -27,12 +27,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import ray
+import torch
 from ray import serve
 from ray.actor import ActorHandle
 from ray.serve.handle import DeploymentHandle
@@ -42,13 +45,16 @@ from raydix.cluster.async_engine import AsyncEngine
 from raydix.cluster.config import EngineConfig
 from raydix.cluster.engine import Engine
 from raydix.cluster.executor import Executor, LocalExecutor, UnhealthyRanksError
-from raydix.cluster.metrics import EngineMetrics
 from raydix.cluster.request import GenerationParams, RequestOutput
 from raydix.router.actor import get_or_create_router
 from raydix.router.policy import RoutingPolicyConfig
 from raydix.router.reporter import LoadReport, ReplicaReporter
 
 from .cpu_threads import use_cpu_threads
+from .replica_facts import ReplicaFacts, StartupLog, replica_facts
+from .replica_stats import CacheAudit, ReplicaStats, read_stats, report_loop
+
+__all__ = ["EngineServer", "RankInfo", "ReplicaSettings", "ReplicaStats", "build_engine"]
 
 logger = logging.getLogger(__name__)
 
@@ -107,22 +113,6 @@ def build_engine(config: EngineConfig, settings: ReplicaSettings,
     return Engine(config, executor=executor, tokenizer=tokenizer, event_sink=event_sink)
 
 
-class ReplicaStats(NamedTuple):
-    """One replica's state, for /metrics and for tests."""
-
-    replica_id: str
-    metrics: EngineMetrics
-    num_in_flight: int  # requests handed to this replica and not finished
-    num_rows: int  # request rows held in the KV cache manager
-    num_protected_tokens: int  # prefix-cache tokens locked by running requests
-    kv_capacity: int  # usable KV slots
-    integrity_error: str | None  # from the last audit (debug_cache_audit); None: consistent
-    node_id: str = ""  # the Ray node of the replica's engine
-    rank_node_ids: tuple[str, ...] = ()  # the Ray node of each rank, in rank order
-    num_kv_used_tokens: int = 0  # slots held by requests and protected prefixes
-    num_audits: int = 0  # integrity audits run so far (debug_cache_audit)
-
-
 class RankInfo(NamedTuple):
     """One rank of a replica, for health tools and tests."""
 
@@ -152,10 +142,6 @@ def _app_name() -> str:
         return "default"
 
 
-def _audit(engine: Engine) -> str | None:
-    return engine.audit_cache()
-
-
 class EngineServer:
     """One engine replica. Streams `RequestOutput` lists per request through its handle."""
 
@@ -163,21 +149,25 @@ class EngineServer:
                  settings: ReplicaSettings = ReplicaSettings(),
                  engine_factory: EngineFactory = build_engine,
                  stats_board: DeploymentHandle | None = None,
-                 report_period_s: float = 1.0,
+                 report_period_s: float = 0.05,
                  routing: RoutingPolicyConfig | None = None) -> None:
         self.replica_id = _replica_id()
-        self._audit_enabled = settings.debug_cache_audit
-        self._integrity_error: str | None = None
-        self._audited_steps = 0
-        self._num_audits = 0
-        logger.info("replica %s: starting the engine (tp=%d) over %s", self.replica_id,
-                    engine_config.worker.tp_size, engine_config.worker.model_path)
-        if settings.cpu_threads is not None:
-            was_nice = use_cpu_threads(settings.cpu_threads)
-            logger.info("replica %s: %d CPU thread(s), priority nice 0 (was %d)",
-                        self.replica_id, settings.cpu_threads, was_nice)
+        self._audit = CacheAudit(settings.debug_cache_audit)
         events = EventBuffer() if routing is not None and settings.router_events else None
-        engine = engine_factory(engine_config, settings, events)
+        start = time.perf_counter()
+        with StartupLog() as startup:
+            if settings.cpu_threads is not None:
+                was_nice = use_cpu_threads(settings.cpu_threads)
+                if was_nice != os.getpriority(os.PRIO_PROCESS, 0):
+                    logger.info("priority: nice %d -> 0", was_nice)
+            engine = engine_factory(engine_config, settings, events)
+        executor = engine.executor
+        self.facts = replica_facts(
+            self.replica_id, engine_config,
+            str(executor.worker.runner.dtype) if isinstance(executor, LocalExecutor) else "",
+            executor.max_num_tokens,
+            torch.get_num_threads() if settings.cpu_threads is not None else None,
+            time.perf_counter() - start, startup.lines)
         loop = asyncio.get_running_loop()  # the constructor runs on the replica's event loop
         self._leaving: asyncio.Task[None] | None = None
 
@@ -190,10 +180,10 @@ class EngineServer:
         self.ranks_info = tuple(
             RankInfo(self.replica_id, r.tp_rank, r.node_id or self.node_id, r.worker)
             for r in engine.ranks())
-        logger.info("replica %s: engine ready", self.replica_id)
         self._reporter: asyncio.Task[None] | None = None
         if stats_board is not None:
-            self._reporter = loop.create_task(self._report(stats_board, report_period_s))
+            self._reporter = loop.create_task(
+                report_loop(self.stats, stats_board, report_period_s))
         self._router_reporter: asyncio.Task[None] | None = None
         if routing is not None:
             router = get_or_create_router(_app_name(), engine_config.scheduler.page_size, routing,
@@ -215,14 +205,6 @@ class EngineServer:
         running, waiting = self.engine.running_and_waiting()
         return LoadReport(running, waiting, self.engine.metrics().token_usage)
 
-    async def _report(self, board: DeploymentHandle, period_s: float) -> None:
-        while True:
-            try:
-                await board.report.remote(await self.stats())
-            except Exception as e:  # the board restarts or the engine stopped: try again
-                logger.debug("replica %s: stats not reported: %r", self.replica_id, e)
-            await asyncio.sleep(period_s)
-
     async def generate(self, prompt_ids: Sequence[int], params: GenerationParams,
                        rid: str) -> AsyncIterator[list[RequestOutput]]:
         async for outputs in self.engine.generate(prompt_ids, params, rid):
@@ -232,26 +214,15 @@ class EngineServer:
         self.engine.abort(rid)
 
     async def stats(self) -> ReplicaStats:
-        """This replica's counters, read on the event loop while the loop thread steps: each
-        is kept by the scheduler or the cache as it changes, so a call costs the same at any
-        pool size and never waits for a step (a read torn by a step is off by that step).
+        """This replica's counters, read without waiting for a step (`replica_stats.py`);
+        with `debug_cache_audit`, a call made while idle audits the cache first."""
+        await self._audit.run_if_idle(self.engine)
+        return read_stats(self.replica_id, self.engine, self._audit, self.node_id,
+                          tuple(r.node_id for r in self.ranks_info))
 
-        With `debug_cache_audit`, a call made while no request is in flight first audits the
-        cache on the loop thread (once per change: only when steps ran since the last audit)."""
-        engine = self.engine.engine
-        if self._audit_enabled and self.engine.num_in_flight == 0:
-            num_steps = engine.num_steps
-            if num_steps != self._audited_steps or self._num_audits == 0:
-                self._integrity_error = await self.engine.call(_audit)
-                self._audited_steps = num_steps
-                self._num_audits += 1
-        cache = engine.cache_stats()
-        return ReplicaStats(
-            self.replica_id, engine.metrics(), self.engine.num_in_flight, cache.num_rows,
-            cache.num_protected_tokens, cache.kv_capacity, self._integrity_error, self.node_id,
-            tuple(r.node_id for r in self.ranks_info),
-            num_kv_used_tokens=cache.num_used_tokens,
-            num_audits=self._num_audits)
+    async def start_facts(self) -> ReplicaFacts:
+        """What this replica started with (for the `raydix serve` process to print)."""
+        return self.facts
 
     async def ranks(self) -> tuple[RankInfo, ...]:
         """This replica's ranks: where each runs, and its worker actor."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 
-from .server import ReplicaStats
+from .replica_stats import ReplicaStats
 
 
 class StatsBoard:

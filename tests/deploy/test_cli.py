@@ -14,6 +14,7 @@ import pytest
 
 from raydix.deploy.cli import build_parser, load_config, local_cpus_needed, main
 from raydix.deploy.config import AppConfig, engine_config
+from raydix.deploy.cpu_threads import default_cpu_threads
 
 from .conftest import MODEL_NAME, free_port
 
@@ -69,7 +70,9 @@ def test_yaml_file_with_flags_on_top(tmp_path: Path) -> None:
 
 
 def test_local_ray_reserves_a_cpu_per_replica_and_rank() -> None:
-    assert local_cpus_needed(AppConfig()) == 1  # tp 1 on CPU runs inside the replica
+    threads = default_cpu_threads(os.cpu_count() or 1)
+    assert local_cpus_needed(AppConfig()) == threads  # tp 1 on CPU: the replica's threads
+    assert local_cpus_needed(AppConfig(cpu_threads=1, replicas=3)) == 3
     assert local_cpus_needed(AppConfig(tp=2)) == 3
     assert local_cpus_needed(AppConfig(tp=2, replicas=2)) == 6
 
@@ -157,36 +160,72 @@ def test_missing_model_folder_is_one_line(tmp_path: Path,
     assert "no config.json" in err and "\n" not in err
 
 
+def session_processes(sid: int) -> list[str]:
+    """The live processes of session `sid` (a server started with start_new_session leads its
+    own session, and so do all that it started, Ray's included), as "pid name"."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:  # ended meanwhile
+            continue
+        name, rest = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:]
+        fields = rest.split()
+        if int(fields[3]) == sid and fields[0] != "Z":  # session id; zombies hold nothing
+            found.append(f"{entry.name} {name}")
+    return found
+
+
 @pytest.mark.ray
 @pytest.mark.slow
-def test_serve_starts_answers_and_stops_on_ctrl_c(smollm2: Path) -> None:
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_serve_answers_and_stops_cleanly_on_a_signal(smollm2: Path, signum: int) -> None:
+    """Ctrl-C and `kill` stop alike: the stream in flight finishes within the grace period,
+    the process exits 0, and nothing it started (Ray's processes included) is left."""
     port = free_port()
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "HF_HUB_OFFLINE": "1"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "raydix.deploy.cli", "serve", "--model", str(smollm2),
          "--served-model-name", MODEL_NAME, "--port", str(port), "--max-total-tokens", "2048",
-         "--device", "cpu"],
+         "--device", "cpu", "--cpu-threads", "1", "--shutdown-timeout", "20"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+        start_new_session=True,  # its own session: what it leaves behind can be found
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert proc.stdout is not None
     try:
         deadline = time.monotonic() + 120
+        lines = []
         for line in proc.stdout:
+            lines.append(line)
             if f"raydix is ready on http://127.0.0.1:{port}" in line:
                 break
             assert time.monotonic() < deadline, "no ready line"
         else:
             pytest.fail(f"raydix serve exited with {proc.wait()}")
+        assert any("KV pool 2,048 tokens" in line for line in lines), "".join(lines)[-3000:]
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
                                max_retries=0)
         out = client.completions.create(model=MODEL_NAME, prompt="The capital of France is",
                                         max_tokens=3, temperature=0)
         assert out.choices[0].text.startswith(" Paris")
-        proc.send_signal(signal.SIGINT)
-        rest, _ = proc.communicate(timeout=60)
-        assert proc.returncode == 0, rest[-2000:]
-        assert "shutting down" in rest
+        stream = client.completions.create(model=MODEL_NAME, prompt="Count: one, two,",
+                                           max_tokens=24, temperature=0, stream=True,
+                                           extra_body={"ignore_eos": True})
+        chunks = iter(stream)
+        next(chunks)
+        proc.send_signal(signum)  # mid-stream
+        rest = [chunk.choices[0].finish_reason for chunk in chunks]
+        assert rest[-1] == "length"  # the stream in flight ran to its end
+        tail, _ = proc.communicate(timeout=90)
+        assert proc.returncode == 0, tail[-3000:]
+        assert "shutting down" in tail
+        assert "SIGTERM received" not in tail  # not Ray's native handler
+        assert session_processes(proc.pid) == []
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        for left in session_processes(proc.pid):
+            os.kill(int(left.split()[0]), signal.SIGKILL)

@@ -32,7 +32,7 @@ def server(serve_cluster: ServeCluster, smollm2: Path) -> Iterator[str]:
     from raydix.deploy.app import build_app
 
     common = dict(model=str(smollm2), served_model_name=MODEL_NAME, device="cpu",
-                  max_total_tokens=2048)
+                  max_total_tokens=2048, cpu_threads=1)  # two apps on the 2 CPUs
     guarded = AppConfig(api_key=API_KEY, max_context_len=MAX_CONTEXT_LEN,
                         max_request_bytes=MAX_REQUEST_BYTES, max_running_requests=4,
                         **common)  # type: ignore[arg-type]

@@ -149,3 +149,36 @@ def test_metrics_in_prometheus_text(server: str) -> None:
         assert any(line.startswith(name) for line in lines), name
     replica_lines = [line for line in lines if line.startswith("raydix_num_running_requests{")]
     assert len(replica_lines) == 1 and 'replica="' in replica_lines[0]
+    assert "raydix_engine_replicas 1.0" in lines
+    assert metric(lines, "raydix_kv_capacity_tokens") == 8192.0  # max_total_tokens
+
+
+def metric(lines: list[str], name: str) -> float:
+    """The value of the one series `name` (of the one replica)."""
+    (value,) = [float(line.split()[-1]) for line in lines if line.startswith(name + "{")]
+    return value
+
+
+def test_metrics_are_fresh_when_scraped(server: str) -> None:
+    """A scrape right after a request ended shows it: the replicas send changed stats within
+    tens of milliseconds, not once a second."""
+    wait_idle()
+    before = httpx.get(server + "/metrics", timeout=30).text.splitlines()
+    body = {"model": MODEL_NAME, "prompt": "Hello there", "max_tokens": 40, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", server + "/v1/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        for _ in range(3):
+            assert next(line for line in lines if line).startswith("data: ")
+        time.sleep(0.3)
+        during = httpx.get(server + "/metrics", timeout=30).text.splitlines()
+        assert metric(during, "raydix_num_running_requests") == 1.0
+        assert metric(during, "raydix_kv_used_tokens") > 0
+        for _ in lines:  # to its end
+            pass
+    time.sleep(0.3)
+    after = httpx.get(server + "/metrics", timeout=30).text.splitlines()
+    assert metric(after, "raydix_num_running_requests") == 0.0
+    assert metric(after, "raydix_kv_used_tokens") == 0.0
+    generated = "raydix_engine_generated_tokens_total"
+    assert metric(after, generated) - metric(before, generated) == 40

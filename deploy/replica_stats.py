@@ -1,0 +1,105 @@
+"""A replica's stats: read without stopping its engine, and sent to the stats board while fresh.
+
+Every figure is a counter that the scheduler or the KV cache keeps as it changes, so reading
+them costs the same at any pool size. They are read on the replica's event loop while the
+engine's loop thread steps: no lock, and a read torn by a step is off by that step.
+
+The cache's full audit (`check_integrity`, which walks every page of the pool: seconds at
+millions of slots) runs only behind `debug_cache_audit`, and only while the replica is idle.
+
+The reporter checks the stats every `period_s` and sends them to the board when they changed,
+and at least every `HEARTBEAT_S` (the board drops a replica it has not heard from).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import NamedTuple, Protocol
+
+from raydix.cluster.async_engine import AsyncEngine
+from raydix.cluster.engine import Engine
+from raydix.cluster.metrics import EngineMetrics
+
+logger = logging.getLogger(__name__)
+
+HEARTBEAT_S = 1.0
+
+
+class ReplicaStats(NamedTuple):
+    """One replica's state, for /metrics and for tests."""
+
+    replica_id: str
+    metrics: EngineMetrics
+    num_in_flight: int  # requests handed to this replica and not finished
+    num_rows: int  # request rows held in the KV cache manager
+    num_protected_tokens: int  # prefix-cache tokens locked by running requests
+    kv_capacity: int  # usable KV slots
+    integrity_error: str | None  # from the last audit (debug_cache_audit); None: consistent
+    node_id: str = ""  # the Ray node of the replica's engine
+    rank_node_ids: tuple[str, ...] = ()  # the Ray node of each rank, in rank order
+    num_kv_used_tokens: int = 0  # slots held by requests and protected prefixes
+    num_audits: int = 0  # integrity audits run so far (debug_cache_audit)
+
+
+class CacheAudit:
+    """The debug audit's last result; `run_if_idle` audits when nothing is in flight and steps
+    ran since the last audit (on the loop thread, between steps: no step runs while idle)."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.error: str | None = None
+        self.num_audits = 0
+        self._audited_steps = -1
+
+    async def run_if_idle(self, engine: AsyncEngine) -> None:
+        if not self.enabled or engine.num_in_flight:
+            return
+        num_steps = engine.engine.num_steps
+        if num_steps != self._audited_steps:
+            self.error = await engine.call(Engine.audit_cache)
+            self._audited_steps = num_steps
+            self.num_audits += 1
+
+
+def read_stats(replica_id: str, engine: AsyncEngine, audit: CacheAudit, node_id: str,
+               rank_node_ids: tuple[str, ...]) -> ReplicaStats:
+    cache = engine.engine.cache_stats()
+    return ReplicaStats(
+        replica_id, engine.metrics(), engine.num_in_flight, cache.num_rows,
+        cache.num_protected_tokens, cache.kv_capacity, audit.error, node_id, rank_node_ids,
+        num_kv_used_tokens=cache.num_used_tokens, num_audits=audit.num_audits)
+
+
+class Board(Protocol):
+    """The stats board's handle, as the reporter uses it (`board.report.remote(stats)`)."""
+
+    @property
+    def report(self) -> _Remote: ...
+
+
+class _Remote(Protocol):
+    def remote(self, stats: ReplicaStats) -> Awaitable[object]: ...
+
+
+def _what_changed(stats: ReplicaStats) -> ReplicaStats:
+    """The stats without the figure that moves with the clock alone."""
+    return stats._replace(metrics=stats.metrics._replace(generation_throughput=0.0))
+
+
+async def report_loop(read: Callable[[], Awaitable[ReplicaStats]], board: Board,
+                      period_s: float) -> None:
+    last: ReplicaStats | None = None
+    last_sent = 0.0
+    while True:
+        try:
+            stats = await read()
+            key = _what_changed(stats)
+            if key != last or time.monotonic() - last_sent >= HEARTBEAT_S:
+                await board.report.remote(stats)
+                last, last_sent = key, time.monotonic()
+        except Exception as e:  # the board restarts or the engine stopped: try again
+            logger.debug("replica %s: stats not reported: %r", getattr(last, "replica_id", ""), e)
+        await asyncio.sleep(period_s)

@@ -1,0 +1,73 @@
+"""On a CPU the engine replica computes on the threads it reserves, at the normal priority."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+
+from raydix.deploy.app import replica_cpu_threads
+from raydix.deploy.config import AppConfig
+from raydix.deploy.cpu_threads import THREADS_ON_SMALL_MACHINES, default_cpu_threads
+from raydix.deploy.replica_facts import ReplicaFacts
+
+from .conftest import MODEL_NAME, ServeCluster
+
+APP = "threads"
+
+
+def test_default_threads_leave_a_core_when_two_remain() -> None:
+    assert [default_cpu_threads(n) for n in (4, 8, 64)] == [3, 7, 63]
+    assert default_cpu_threads(3) == 2
+    assert default_cpu_threads(2) == THREADS_ON_SMALL_MACHINES  # measured (README)
+    assert default_cpu_threads(1) == 1
+
+
+def test_replicas_share_the_cores_and_other_ranks_refuse_the_setting() -> None:
+    cores = default_cpu_threads(os.cpu_count() or 1)
+    assert replica_cpu_threads(AppConfig(), "cpu", None) == cores
+    assert replica_cpu_threads(AppConfig(replicas=64), "cpu", None) == 1
+    assert replica_cpu_threads(AppConfig(cpu_threads=3), "cpu", None) == 3
+    assert replica_cpu_threads(AppConfig(), "cuda", [{"CPU": 1}, {"GPU": 1}]) is None
+    with pytest.raises(ValueError, match="cpu_threads"):
+        replica_cpu_threads(AppConfig(cpu_threads=2), "cuda", [{"CPU": 1}, {"GPU": 1}])
+    with pytest.raises(ValueError, match="cpu_threads"):
+        replica_cpu_threads(AppConfig(cpu_threads=2, tp=2), "cpu", [{"CPU": 1}] * 3)
+
+
+@pytest.fixture(scope="module")
+def server(serve_cluster: ServeCluster, tiny_llama: Path) -> Iterator[str]:
+    from ray import serve
+
+    from raydix.deploy.app import build_app
+
+    config = AppConfig(model=str(tiny_llama), served_model_name=MODEL_NAME, device="cpu",
+                       max_total_tokens=2048, max_context_len=256, cpu_threads=2)
+    serve.run(build_app(config), name=APP, route_prefix="/")
+    yield serve_cluster.base_url
+    serve.delete(APP)
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_the_thread_setting_reaches_the_replica(server: str) -> None:
+    from ray import serve
+
+    from raydix.deploy.app import ENGINE_DEPLOYMENT
+
+    handle = serve.get_deployment_handle(ENGINE_DEPLOYMENT, app_name=APP)
+    facts: ReplicaFacts = handle.start_facts.remote().result(timeout_s=30)
+    assert facts.cpu_threads == 2  # torch's threads in the replica (Ray would set 1)
+    assert facts.num_cpus == 2.0  # and it reserved as many of Ray's CPUs
+    assert facts.nice == 0  # Ray starts its workers at nice 15
+    assert facts.kv_pool_tokens == 2048 and facts.device == "cpu"
+    assert any(line.startswith("KV pool: 2048 tokens") for line in facts.log_lines), facts
+    client = openai.OpenAI(base_url=server + "/v1", api_key="none", max_retries=0)
+    out = client.completions.create(model=MODEL_NAME, prompt="Hello", max_tokens=4,
+                                    temperature=0)
+    assert out.usage is not None and out.usage.completion_tokens == 4
+
+
