@@ -92,8 +92,9 @@ class GlobalPrefixTree:
             self.insert(replica, event.token_ids, event.extra_key)
         elif event.kind is EventKind.EVICTED:
             self.remove(replica, event.token_ids, event.prefix_len, event.extra_key)
-        else:
+        elif event.kind is EventKind.CLEARED:
             self.drop_replica(replica)
+        # the host tier's events (HOST_*) say nothing about the device tier this tree follows
 
     def insert(
         self, replica: ReplicaId, token_ids: npt.ArrayLike, extra_key: Hashable = None
