@@ -159,6 +159,10 @@ class AppConfig(BaseModel):
         0.9, gt=0, le=1, description="cache_aware: a replica with requests waiting and this "
         "share of its KV pool held by running requests is full; the idlest one gets its hits"
     )
+    host_hit_weight: float = Field(
+        0.5, ge=0, le=1, description="cache_aware: a prefix a replica holds only in its host KV "
+        "tier counts this much per token (a device hit 1, a miss 0)"
+    )
     router_mode: Literal["exact", "approximate"] = Field(
         "exact",
         description="cache_aware: the router's tree follows the replicas' cache events (exact), "
@@ -261,7 +265,8 @@ def routing_policy(config: AppConfig) -> RoutingPolicyConfig | None:
     return RoutingPolicyConfig(cache_threshold=config.cache_threshold,
                                balance_abs_threshold=config.balance_abs_threshold,
                                balance_rel_threshold=config.balance_rel_threshold,
-                               saturated_kv_usage=config.saturated_kv_usage)
+                               saturated_kv_usage=config.saturated_kv_usage,
+                               host_hit_weight=config.host_hit_weight)
 
 
 # (max_prefill_tokens, chunked_prefill_size) by device. A step's prompt tokens stall every

@@ -44,8 +44,13 @@ class RoutingPolicyConfig:
     balance_abs_threshold: int = 32
     balance_rel_threshold: float = 1.5
     saturated_kv_usage: float = 0.9
+    # a prefix a replica holds only in its host KV tier counts this much per token beside one
+    # on its device (1) and a miss (0): loading it back costs a copy, computing it a prefill
+    host_hit_weight: float = 0.5
 
     def __post_init__(self) -> None:
+        if not 0.0 <= self.host_hit_weight <= 1.0:
+            raise ValueError(f"host_hit_weight must be in [0, 1], got {self.host_hit_weight}")
         if not 0.0 <= self.cache_threshold <= 1.0:
             raise ValueError(f"cache_threshold must be in [0, 1], got {self.cache_threshold}")
         if self.balance_abs_threshold < 0:

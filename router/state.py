@@ -25,10 +25,12 @@ from raydix.cache import CacheEvent, EventKind
 
 from .in_flight import InFlightPrefixes
 from .policy import CacheAwarePolicy, Fullness, RoutingDecision, RoutingPolicyConfig
+from .tier_tree import TierTree
 from .tree import GlobalPrefixTree
 
 ReplicaId = Hashable
 NOT_FULL = Fullness(num_waiting=0, kv_usage=0.0)
+_HOST_EVENTS = (EventKind.HOST_INSERTED, EventKind.HOST_EVICTED)
 
 
 @dataclass
@@ -70,6 +72,8 @@ class RouterState:
         in_flight_ttl_s: float = 30.0,
     ) -> None:
         self.tree = GlobalPrefixTree(page_size)
+        self.tier_tree = TierTree(page_size)  # device or host tier (tier_tree.py)
+        self._host_tier_replicas: set[ReplicaId] = set()  # those that sent host-tier events
         self.in_flight = InFlightPrefixes(page_size, in_flight_ttl_s)
         self.policy = CacheAwarePolicy(policy)
         self.exact = exact
@@ -82,6 +86,8 @@ class RouterState:
         live = set(replicas)
         for gone in set(self.replicas) - live:
             self.tree.drop_replica(gone)
+            self.tier_tree.drop_replica(gone)
+            self._host_tier_replicas.discard(gone)
             self.in_flight.drop_replica(gone)
             del self.replicas[gone]
         for new in live - set(self.replicas):
@@ -100,6 +106,8 @@ class RouterState:
                 self.replicas[name] = ReplicaLoad()
         tokens = np.asarray(token_ids, dtype=np.int32)
         matched = self.tree.match(tokens, extra_key)
+        if self._host_tier_replicas:
+            self._add_host_hits(matched, tokens, extra_key)
         if self.exact:
             for name, length in self.in_flight.match(tokens, extra_key).items():
                 if length > matched.get(name, 0):
@@ -121,6 +129,16 @@ class RouterState:
         self.stats.record(time.perf_counter_ns() - start)
         return decision
 
+    def _add_host_hits(self, matched: dict[ReplicaId, int], tokens: npt.NDArray[np.int32],
+                       extra_key: Hashable) -> None:
+        """A replica's prefix beyond its device hit that it holds in its host tier counts
+        ``host_hit_weight`` per token: a cheaper miss (a load instead of a prefill)."""
+        weight = self.policy.config.host_hit_weight
+        for name, held_len in self.tier_tree.match(tokens, extra_key).items():
+            device_len = matched.get(name, 0)
+            if held_len > device_len:
+                matched[name] = device_len + int(weight * (held_len - device_len))
+
     def publish(self, replica: ReplicaId, events: Sequence[CacheEvent]) -> bool:
         """Apply a batch of a replica's cache events; returns whether the router needs the
         replica's snapshot (its whole cache sent again, starting with ``CLEARED``).
@@ -139,9 +157,13 @@ class RouterState:
                 state.needs_snapshot = False
             elif event.seq != state.last_event_seq + 1:
                 self.tree.drop_replica(replica)
+                self.tier_tree.drop_replica(replica)
                 state.needs_snapshot = True
             state.last_event_seq = event.seq
             self.tree.apply_event(replica, event)
+            self.tier_tree.apply_event(replica, event)
+            if event.kind in _HOST_EVENTS:
+                self._host_tier_replicas.add(replica)
         if events:
             self.in_flight.confirm(
                 replica, lambda tokens, key: self.tree.match(tokens, key).get(replica, 0)

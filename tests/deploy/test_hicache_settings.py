@@ -55,3 +55,12 @@ def test_host_tier_series_in_metrics() -> None:
     assert 'raydix_host_hit_rate{replica="r1"} 0.3' in text
     assert 'raydix_engine_host_loaded_tokens_total{replica="r1"} 40.0' in text
     assert 'raydix_engine_host_written_tokens_total{replica="r1"} 70.0' in text
+
+
+def test_the_router_weight_of_a_host_hit_is_a_setting() -> None:
+    from raydix.deploy.config import routing_policy
+
+    policy = routing_policy(AppConfig(host_hit_weight=0.25))
+    assert policy is not None and policy.host_hit_weight == 0.25
+    with pytest.raises(ValidationError, match="host_hit_weight"):
+        AppConfig(host_hit_weight=1.5)

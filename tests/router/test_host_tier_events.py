@@ -3,7 +3,13 @@ what the tree records for the device tier."""
 
 from __future__ import annotations
 
-from raydix.cache import EventBuffer, EventKind, HiRadixCache
+import numpy as np
+import pytest
+
+from raydix.cache import CacheEvent, EventBuffer, EventKind, HiRadixCache
+from raydix.router.policy import RoutingPolicyConfig
+from raydix.router.state import RouterState
+from raydix.router.tier_tree import TierTree
 from raydix.router.tree import GlobalPrefixTree
 
 
@@ -42,3 +48,70 @@ def test_host_events_leave_the_device_holdings_exact() -> None:
     sync()
     assert {EventKind.HOST_INSERTED, EventKind.HOST_EVICTED} <= kinds
     assert tree.match([1, 2, 3, 9]) == {"r1": 4}
+
+
+def _any_tier_paths(cache: HiRadixCache) -> set[tuple[None, tuple[int, ...]]]:
+    out = set()
+    for node in cache.iter_nodes():
+        path = cache.node_tokens(node).tolist()
+        start = len(path) - len(node.key) // 4
+        out.update((None, tuple(path[:end])) for end in range(start + 1, len(path) + 1))
+    return out
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_tier_tree_follows_both_tiers(page_size: int) -> None:
+    rng = np.random.default_rng(page_size)
+    buffer = EventBuffer()
+    cache = HiRadixCache(page_size=page_size, num_host_pages=10, event_sink=buffer,
+                         write_policy="write_through_selective")
+    tree = TierTree(page_size)
+    slots = iter(range(page_size, 10**6))
+    for _ in range(300):
+        op = rng.integers(0, 4)
+        key = [int(t) for t in rng.integers(0, 3, size=int(rng.integers(1, 5)) * page_size)]
+        if op < 2:
+            cache.insert(key, [next(slots) for _ in key])
+        elif op == 2:
+            match = cache.match_prefix(key)
+            if match.host_len:  # as the manager does: hold, then load into new slots
+                cache.lock(match.handle)
+                assert cache.hold_host_path(match.handle)
+                cache.load_back(match.handle, np.array([next(slots) for _ in
+                                                        range(match.handle.host_len)]))
+                cache.unlock(match.handle)
+        else:
+            cache.evict(int(rng.integers(1, 4)) * page_size)
+        cache.drain_copies()
+        for event in buffer.drain():
+            tree.apply_event("r1", event)
+        assert tree.holdings("r1") == _any_tier_paths(cache)
+        tree.check_integrity()
+
+
+def test_router_weighs_a_host_hit_between_a_device_hit_and_a_miss() -> None:
+    prompt = np.arange(2, 42, dtype=np.int32)
+
+    def state_with(events: dict[str, list[tuple[EventKind, int, int]]]) -> RouterState:
+        state = RouterState(page_size=1, policy=RoutingPolicyConfig(cache_threshold=0.3))
+        state.set_replicas(["device", "host", "cold"])
+        for replica, kinds in events.items():
+            state.publish(replica, [CacheEvent(0, EventKind.CLEARED, None, prompt[:0], 0)] + [
+                CacheEvent(i + 1, kind, None, prompt[:end], num)
+                for i, (kind, end, num) in enumerate(kinds)])
+        return state
+
+    # "host" holds 30 tokens in its host tier only (worth 15), "device" 20 on its device
+    state = state_with({"device": [(EventKind.INSERTED, 20, 20)],
+                        "host": [(EventKind.INSERTED, 30, 30), (EventKind.HOST_INSERTED, 30, 30),
+                                 (EventKind.EVICTED, 30, 30)]})
+    assert state.route(prompt).replica == "device"
+    # 10 on the device + 20 in the host tier (worth 10): 20 beats a cold miss
+    state = state_with({"host": [(EventKind.INSERTED, 30, 30), (EventKind.HOST_INSERTED, 30, 20),
+                                 (EventKind.EVICTED, 30, 20)]})
+    decision = state.route(prompt)
+    assert (decision.replica, decision.matched_len) == ("host", 20)
+    # the host copy gone too: nothing beyond the device's 10 (under the 0.3 threshold)
+    state = state_with({"host": [(EventKind.INSERTED, 30, 30), (EventKind.HOST_INSERTED, 30, 20),
+                                 (EventKind.EVICTED, 30, 20), (EventKind.HOST_EVICTED, 30, 20)]})
+    assert state.route(prompt).reason == "least_loaded"
