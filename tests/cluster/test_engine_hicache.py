@@ -110,14 +110,24 @@ def assert_tiers_drained(engine: Engine) -> None:
     cache.check_integrity()  # every host page free or held by exactly one node
 
 
-@pytest.mark.parametrize("write_policy", WRITE_POLICIES)
-def test_host_tier_outputs_equal_tier_off(tiny_llama: Path, write_policy: str) -> None:
-    schedule = conversations(seed=7, num=6, turns=4, system_len=40)
-    aborted = {3, 10, 17}
-    total_context = sum(len(p) for _, p, _ in schedule if len(p))
+SCHEDULE = conversations(seed=7, num=6, turns=4, system_len=40)
+ABORTED = {3, 10, 17}
+
+
+@pytest.fixture(scope="module")
+def tier_off(tiny_llama: Path) -> tuple[Engine, list[tuple[list[int], list[float], str]]]:
+    """The tier-off engine after the schedule, and its outputs (run once for every policy)."""
     off = hicache_engine(tiny_llama, 0)
-    assert total_context > 4 * off.scheduler.cache.capacity
-    expected = run_schedule(off, schedule, aborted)
+    assert sum(len(p) for _, p, _ in SCHEDULE) > 4 * off.scheduler.cache.capacity
+    return off, run_schedule(off, SCHEDULE, ABORTED)
+
+
+@pytest.mark.parametrize("write_policy", WRITE_POLICIES)
+def test_host_tier_outputs_equal_tier_off(
+        tiny_llama: Path, write_policy: str,
+        tier_off: tuple[Engine, list[tuple[list[int], list[float], str]]]) -> None:
+    off, expected = tier_off
+    schedule, aborted = SCHEDULE, ABORTED
     on = hicache_engine(tiny_llama, 4, hicache_write_policy=write_policy)
     assert on.scheduler.cache.host_cache is not None
     assert on.scheduler.cache.host_cache.host_capacity == 4 * on.scheduler.cache.capacity
