@@ -143,3 +143,18 @@ def test_latent_attention_refuses_other_backends(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="attention_backend 'flashinfer' has no latent"):
         make_backend("flashinfer", pool, torch.zeros(1, 4, dtype=torch.int32), 4, 8,
                      mla=mc.mla)
+
+
+def test_correction_bias_stays_float32_in_a_bf16_model(tmp_path: Path) -> None:
+    from safetensors import safe_open
+
+    save_moe_model("deepseek_v3", tmp_path)
+    worker = TPWorker(WorkerConfig(str(tmp_path), dtype="bfloat16", max_running_requests=2,
+                                   max_context_len=64, max_total_tokens=256, warm_up=False))
+    gate = worker.runner.model.model.layers[1].mlp.gate
+    name = "model.layers.1.mlp.gate.e_score_correction_bias"
+    stored = next(f.get_tensor(name) for path in sorted(tmp_path.glob("*.safetensors"))
+                  for f in [safe_open(str(path), "pt")] if name in f.keys())  # noqa: SIM118
+    assert gate.e_score_correction_bias.dtype == torch.float32
+    assert torch.equal(gate.e_score_correction_bias, stored.float())
+    assert gate.weight.dtype == torch.bfloat16

@@ -111,6 +111,13 @@ class Router(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor,
                       shard_id: str | int | None = None) -> None:
+        if param is self.e_score_correction_bias and param.dtype != torch.float32:
+            # kept in float32 whatever the model dtype, as transformers keeps it: rounding it
+            # to bf16 would change which experts win close calls
+            bias = torch.empty(param.shape, dtype=torch.float32, device=param.device)
+            copy_checked(bias, loaded.read().float())
+            self.e_score_correction_bias = nn.Parameter(bias, requires_grad=False)
+            return
         copy_checked(param, loaded.read())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
