@@ -19,7 +19,7 @@ from raydix.workers.worker import TPWorker
 from .conftest import TinyModel
 from .driver import run_greedy, scenario
 from .reference import assert_greedy_equal
-from .tp_group import probe_plan
+from .tp_group import SpawnedTPGroup, TPCase, probe_plan
 
 MODES = ("whole", "chunked", "prefix")
 
@@ -103,3 +103,19 @@ def test_heavy_channels_from_calibration_and_from_a_file(tiny_models: dict[str, 
     # the file's first four channels per head, in the file's order
     assert torch.equal(from_file.runner.kv_pool.heavy_channels,  # type: ignore[union-attr]
                        channels.flip(-1))
+
+
+def test_tp2_sparse_path_gives_dense_tokens(tiny_models: dict[str, TinyModel],
+                                            tp2_group: SpawnedTPGroup) -> None:
+    """Each rank calibrates and scores its own KV heads (llama: one of two per rank)."""
+    m = tiny_models["llama"]
+    ref = m.hf.greedy(m.prompts, 12)
+    options = (("kv_pool", "double-sparse"), ("ds_heavy_channel_num", 4),
+               ("ds_heavy_token_num", 256), ("ds_sparse_decode_threshold", 0))
+    tp2 = tp2_group.run(TPCase(str(m.folder), m.prompts, 12, MODES, worker_options=options))
+    assert tp2.shard_shapes["kv_pool"][1] == 1  # one KV head on rank 0
+    for mode in MODES:
+        assert_greedy_equal(tp2.outputs[mode], ref, m.prompts, m.hf,
+                            lambda s: tp2_group.run(TPCase(str(m.folder), [], 0, (), s,
+                                                           worker_options=options))
+                            .probe_logits, f"double-sparse tp=2 {mode}")

@@ -35,6 +35,7 @@ class TPCase:
     probes: list[list[int]] = field(default_factory=list)  # sequences to return logits for
     max_context_len: int = 256
     page_size: int = 1
+    worker_options: tuple[tuple[str, object], ...] = ()  # more WorkerConfig fields
 
 
 @dataclass
@@ -92,7 +93,8 @@ def run_case(worker: TPWorker, case: TPCase) -> TPCaseResult:
 def _config(case: TPCase, rank: int, tp_size: int) -> WorkerConfig:
     return WorkerConfig(case.model_path, tp_rank=rank, tp_size=tp_size, dtype="float32",
                         max_running_requests=8, max_context_len=case.max_context_len,
-                        max_total_tokens=4096, page_size=case.page_size)
+                        max_total_tokens=4096, page_size=case.page_size,
+                        **dict(case.worker_options))  # type: ignore[arg-type]
 
 
 def _rank_main(rank: int, tp_size: int, address: str, cases: mp.Queue, results: mp.Queue) -> None:
