@@ -301,13 +301,19 @@ def engine_config(config: AppConfig, model_path: str, device: str) -> EngineConf
     model = ModelConfig.from_folder(model_path)
     max_context_len = config.max_context_len or min(model.max_position_embeddings, 8192)
     default_prefill, default_chunk = STEP_BUDGETS["cuda" if device.startswith("cuda") else "cpu"]
+    backend, graphs = attention_backend(config, device), use_cuda_graph(config, device)
+    if model.mla is not None and backend != "torch":  # latent attention: torch backend only
+        if config.attention_backend != "auto":
+            raise ValueError(f"{model.architecture} uses latent attention (MLA), which runs on "
+                             f"attention_backend torch only, not {backend}")
+        backend, graphs = "torch", False
     worker = WorkerConfig(
         model_path=model_path,
         tp_size=config.tp,
         device=device,
         dtype=config.dtype,
-        attention_backend=attention_backend(config, device),
-        cuda_graph=use_cuda_graph(config, device),
+        attention_backend=backend,
+        cuda_graph=graphs,
         cuda_graph_max_batch=config.cuda_graph_max_bs,
         mem_fraction_static=config.mem_fraction_static,
         max_total_tokens=config.max_total_tokens,

@@ -39,3 +39,16 @@ def test_double_sparse_refuses_flashinfer(model_folder: str) -> None:
     worker = engine_config(AppConfig(kv_pool="double-sparse", attention_backend="torch"),
                            model_folder, "cuda").worker
     assert worker.attention_backend == "torch" and not worker.cuda_graph
+
+
+def test_latent_attention_models_take_the_torch_backend_on_cuda(tmp_path: Path) -> None:
+    import transformers
+
+
+    raw = transformers.DeepseekV3Config(num_hidden_layers=2).to_dict()
+    raw["architectures"] = ["DeepseekV3ForCausalLM"]
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    worker = engine_config(AppConfig(), str(tmp_path), "cuda").worker
+    assert worker.attention_backend == "torch" and not worker.cuda_graph
+    with pytest.raises(ValueError, match=r"latent attention .* torch only, not flashinfer"):
+        engine_config(AppConfig(attention_backend="flashinfer"), str(tmp_path), "cuda")
