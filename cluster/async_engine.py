@@ -4,7 +4,9 @@ Only the loop thread touches the engine. Callers on the event loop hand it comma
 request, abort one, run a function) through a locked list; the thread applies them between
 steps, runs ``engine.step()`` while there is work and sleeps on a condition otherwise. Each
 request's outputs travel back through its own ``asyncio.Queue``, filled with
-``loop.call_soon_threadsafe`` once per step and request.
+``loop.call_soon_threadsafe`` once per step and request, as token ids: the request's output
+processor turns them into text and checks stop strings on the caller's event loop, off the step
+thread, and aborts the request in the engine when a stop string ends it.
 
 Admission is bounded: at most ``max_running_requests + max_waiting_requests`` requests are in
 flight; one more raises `EngineOverloadedError` at once instead of queueing without end.
@@ -114,20 +116,24 @@ class AsyncEngine:
         def sink(item: list[RequestOutput] | BaseException) -> None:
             loop.call_soon_threadsafe(queue.put_nowait, item)
 
+        prompt = list(prompt_ids)
+        processor = self.engine.output_processor(prompt, params)
         self.num_in_flight += 1
-        finished = False
+        finished = False  # the engine ended the request: nothing to abort
         try:
-            self._send(_Add(rid, list(prompt_ids), params, sink))
-            while not finished:
+            self._send(_Add(rid, prompt, params, sink))
+            while not processor.finished:
                 item = await queue.get()
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
                 finished = any(out.finished for out in item)
-                yield item
+                outputs = [o for out in item if (o := processor.process(out)) is not None]
+                if outputs:
+                    yield outputs
         finally:
             self.num_in_flight -= 1
-            if not finished:
+            if not finished:  # left early, or a stop string ended it before the engine did
                 self._send(_Abort(rid))
 
     def abort(self, rid: str) -> None:
@@ -222,7 +228,8 @@ class AsyncEngine:
     def _apply(self, command: _Add | _Abort | _Call) -> None:
         if isinstance(command, _Add):
             try:
-                self.engine.add_request(command.prompt_ids, command.params, command.rid)
+                self.engine.add_request(command.prompt_ids, command.params, command.rid,
+                                        process_outputs=False)
             except ValueError as e:
                 _deliver(command.sink, e)
                 return

@@ -3,6 +3,11 @@
 ``step()`` forms a batch, runs it on the executor (one call; the driving rank shares the plan
 with the others over the CPU process group) and turns the sampled tokens into outputs. The
 engine is synchronous; the Serve layer runs it in a loop thread.
+
+Text and stop strings are the output processor's (`output_processor.py`). A request added with
+``process_outputs=True`` (offline use) has its outputs processed inside ``step``, and a stop
+string aborts it there; `AsyncEngine` adds requests without, and processes each request's
+outputs on its caller's event loop instead, off the step thread.
 """
 
 from __future__ import annotations
@@ -20,9 +25,10 @@ from raydix.cache import EventSink
 from raydix.workers.config import ModelConfig
 
 from .config import EngineConfig
-from .detokenizer import IncrementalDetokenizer, TokenDecoder
+from .detokenizer import TokenDecoder
 from .executor import Executor, LocalExecutor, RankLocation
 from .metrics import EngineMetrics
+from .output_processor import RequestOutputProcessor
 from .request import GenerationParams, Request, RequestOutput
 from .scheduler import Scheduler
 
@@ -64,6 +70,7 @@ class Engine:
         self._rids = itertools.count()
         self.forward_time = 0.0
         self.step_hook: StepHook | None = None  # called after every step (tests, metrics)
+        self._processors: dict[str, RequestOutputProcessor] = {}
         logger.info(
             "engine ready: %d KV slots in %d pages of %d",
             num_pages * config.scheduler.page_size,
@@ -77,18 +84,31 @@ class Engine:
         prompt_ids: Sequence[int] | npt.NDArray[np.int32],
         params: GenerationParams | None = None,
         rid: str | None = None,
+        process_outputs: bool = True,
     ) -> str:
+        """Queue a request. ``process_outputs``: `step` gives its outputs with text and ends it
+        at a stop string; False leaves that to the caller (`output_processor`)."""
         params = params or GenerationParams()
         rid = rid if rid is not None else f"req-{next(self._rids)}"
         prompt = np.asarray(prompt_ids, dtype=np.int32)
-        detok = IncrementalDetokenizer(self.tokenizer, prompt.tolist(), params.stop_strings)
-        self.scheduler.add_request(Request(rid, prompt, params, detok))
+        self.scheduler.add_request(Request(rid, prompt, params))
+        if process_outputs:
+            self._processors[rid] = self.output_processor(prompt.tolist(), params)
         if params.sampling.grammar is not None:  # compiles while the request waits its turn
             self.executor.prepare_grammar(params.sampling.grammar)
         return rid
 
+    def output_processor(self, prompt_ids: Sequence[int],
+                         params: GenerationParams) -> RequestOutputProcessor:
+        """A request's output processor, with this engine's tokenizer."""
+        return RequestOutputProcessor(self.tokenizer, prompt_ids, params)
+
     def abort(self, rid: str) -> RequestOutput | None:
-        return self.scheduler.abort(rid)
+        out = self.scheduler.abort(rid)
+        processor = self._processors.pop(rid, None)
+        if out is None or processor is None:
+            return out
+        return processor.process(out)
 
     @property
     def has_work(self) -> bool:
@@ -96,6 +116,12 @@ class Engine:
 
     # ------------------------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:
+        """One step; outputs of requests added with ``process_outputs`` carry their text."""
+        outputs = self.step_core()
+        return self._process_outputs(outputs) if self._processors else outputs
+
+    def step_core(self) -> list[RequestOutput]:
+        """One step of the scheduler and the ranks: token ids, no text."""
         scheduled = self.scheduler.schedule()
         outputs = self.scheduler.take_early_outputs()
         if scheduled is None:
@@ -108,6 +134,22 @@ class Engine:
         if self.step_hook is not None:
             self.step_hook(self.scheduler)
         return outputs
+
+    def _process_outputs(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        processed = []
+        for out in outputs:
+            processor = self._processors.get(out.rid)
+            if processor is None:
+                processed.append(out)
+                continue
+            final = processor.process(out)
+            if final is not None:
+                processed.append(final)
+            if processor.finished:
+                del self._processors[out.rid]
+                if processor.stopped_early:  # a stop string: the core still runs it
+                    self.scheduler.abort(out.rid)
+        return processed
 
     def generate(
         self,

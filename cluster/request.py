@@ -24,8 +24,6 @@ import numpy.typing as npt
 
 from raydix.workers.step import GREEDY, SamplingParams
 
-from .detokenizer import IncrementalDetokenizer
-
 
 class FinishReason(str, enum.Enum):
     STOP = "stop"  # EOS, a stop token id or a stop string
@@ -76,7 +74,7 @@ class RequestOutput(NamedTuple):
 
     rid: str
     new_token_ids: tuple[int, ...]
-    text: str  # newly decoded text, never a split character
+    text: str  # newly decoded text, never a split character (the output processor's)
     finish_reason: FinishReason | None
     usage: Usage
     logprobs: tuple[float, ...] = ()
@@ -93,7 +91,6 @@ class Request:
     rid: str
     prompt_ids: npt.NDArray[np.int32]
     params: GenerationParams
-    detokenizer: IncrementalDetokenizer
     arrival: float = field(default_factory=time.monotonic)
     output_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING

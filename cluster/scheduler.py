@@ -4,7 +4,8 @@ Each step: running requests that decode get one slot each (retracting the least 
 when the pool is short), chunks of prompts fill the rest of the token budget
 (``get_new_batch_prefill``), the step runs, and results come back through ``process``:
 finished requests go through ``cache_finished_req``, prompt chunks through
-``cache_unfinished_req``.
+``cache_unfinished_req``. Outputs carry token ids; their text and stop strings are the output
+processor's (``output_processor.py``), off the step.
 """
 
 from __future__ import annotations
@@ -238,27 +239,24 @@ class Scheduler:
             k = sampling.top_logprobs
             top = (tuple(zip(result.top_ids[i, :k].tolist(),
                              result.top_logprobs[i, :k].tolist(), strict=True)),)
-        text, stop_hit = req.detokenizer.add(token)
         reason = None
         if (
-            stop_hit
-            or bool(result.stopped[i])
+            bool(result.stopped[i])
             or (token in self.eos_token_ids and not req.params.ignore_eos)
         ):
             reason = FinishReason.STOP
         elif req.remaining_new_tokens <= 0 or req.fill_len >= self.config.max_context_len:
             reason = FinishReason.LENGTH
         if reason is None:
-            return RequestOutput(req.rid, (token,), text, None, req.usage(), logprobs, top)
+            return RequestOutput(req.rid, (token,), "", None, req.usage(), logprobs, top)
         self._release(req, cache=True)
         self.running.remove(req)
         final = self._finish(req, reason)
-        return final._replace(new_token_ids=(token,), text=text + final.text, logprobs=logprobs,
-                              top_logprobs=top)
+        return final._replace(new_token_ids=(token,), logprobs=logprobs, top_logprobs=top)
 
     def _finish(self, req: Request, reason: FinishReason) -> RequestOutput:
         req.status = Status.FINISHED
         req.finish_reason = reason
         del self._requests[req.rid]
         self.stats.num_finished += 1
-        return RequestOutput(req.rid, (), req.detokenizer.flush(), reason, req.usage())
+        return RequestOutput(req.rid, (), "", reason, req.usage())

@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 
 from raydix.cluster.config import SchedulerConfig
-from raydix.cluster.detokenizer import IncrementalDetokenizer
 from raydix.cluster.request import GenerationParams, Request
 from raydix.cluster.scheduler import Scheduler
 from raydix.workers.step import StepResult
@@ -14,9 +13,7 @@ from raydix.workers.step import StepResult
 
 def _req(rid: str, prompt: list[int], priority: int = 0, max_new: int = 4) -> Request:
     params = GenerationParams(max_new_tokens=max_new, ignore_eos=True, priority=priority)
-    return Request(
-        rid, np.asarray(prompt, dtype=np.int32), params, IncrementalDetokenizer(None, prompt)
-    )
+    return Request(rid, np.asarray(prompt, dtype=np.int32), params)
 
 
 def _run_step(sched: Scheduler, token: int = 7) -> list[str]:

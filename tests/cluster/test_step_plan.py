@@ -11,7 +11,6 @@ import numpy as np
 
 from raydix.cluster.batch import ScheduledBatch
 from raydix.cluster.config import SchedulerConfig
-from raydix.cluster.detokenizer import IncrementalDetokenizer
 from raydix.cluster.request import GenerationParams, Request
 from raydix.cluster.scheduler import Scheduler
 from raydix.workers.step import RowSampling, SamplingParams, StepPlan, StepResult
@@ -46,8 +45,7 @@ class RankMirror:
 
 def _request(rid: str, prompt: list[int], **params: object) -> Request:
     ids = np.asarray(prompt, np.int32)
-    return Request(rid, ids, GenerationParams(**params),  # type: ignore[arg-type]
-                   IncrementalDetokenizer(None, ids.tolist()))
+    return Request(rid, ids, GenerationParams(**params))  # type: ignore[arg-type]
 
 
 def _step(sched: Scheduler, mirror: RankMirror, token: int = 7,

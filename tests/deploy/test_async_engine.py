@@ -179,3 +179,68 @@ def test_shutdown_fails_waiting_callers(tiny_llama: Path) -> None:
 
     asyncio.run(run())
     assert not async_engine.is_alive
+
+
+class _ByteDecoder:
+    """Each token is one printable character."""
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(chr(33 + t % 90) for t in token_ids)
+
+
+def test_stop_strings_end_streams_off_the_step_thread_as_offline(tiny_llama: Path) -> None:
+    """The output processor runs on the caller's loop: same text, tokens and usage as the
+    offline engine, and the request is aborted in the engine (its KV freed)."""
+    prompt = [40, 41, 42, 43]
+    free = make_engine(tiny_llama)
+    free.tokenizer = _ByteDecoder()
+    rid = free.add_request(prompt, GenerationParams(max_new_tokens=24, ignore_eos=True))
+    text = ""
+    while free.has_work:
+        text += "".join(out.text for out in free.step() if out.rid == rid)
+    stop = text[8:10]  # ends the text early, wherever it first appears
+    assert stop and text.find(stop) < 20
+    # without the abort, the engine would go on to 200 tokens
+    params = GenerationParams(max_new_tokens=200, ignore_eos=True, stop_strings=(stop,))
+
+    def collect(outputs: list[RequestOutput]) -> tuple[str, list[int], object, int]:
+        final = outputs[-1]
+        return ("".join(o.text for o in outputs), [t for o in outputs for t in o.new_token_ids],
+                final.finish_reason, final.usage.completion_tokens)
+
+    offline = make_engine(tiny_llama)
+    offline.tokenizer = _ByteDecoder()
+    rid = offline.add_request(prompt, params)
+    outs: list[RequestOutput] = []
+    while offline.has_work:
+        outs += [out for out in offline.step() if out.rid == rid]
+    expected = collect(outs)
+    assert expected[0] == text[: text.find(stop)] and expected[2] is FinishReason.STOP
+    assert expected[3] == len(expected[1]) < 24
+
+    engine = make_engine(tiny_llama)
+    engine.tokenizer = _ByteDecoder()
+    async_engine = AsyncEngine(engine)
+
+    async def run() -> list[RequestOutput]:
+        got: list[RequestOutput] = []
+        async for outputs in async_engine.generate(prompt, params, "s"):
+            got += outputs
+        return got
+
+    try:
+        assert collect(asyncio.run(run())) == expected
+
+        async def rows_and_tokens() -> tuple[int, int]:
+            for _ in range(200):
+                num = await async_engine.call(lambda e: e.cache_stats().num_rows)
+                if num == 0:
+                    break
+                await asyncio.sleep(0.01)
+            generated = await async_engine.call(lambda e: e.metrics().num_generated_tokens)
+            return num, generated
+
+        num_rows, generated = asyncio.run(rows_and_tokens())
+        assert num_rows == 0 and generated < 100  # the abort reached the engine early
+    finally:
+        async_engine.shutdown()
