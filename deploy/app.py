@@ -115,7 +115,8 @@ def bind_app(config: AppConfig, engine_factory: EngineFactory = build_engine) ->
     )
     return ingress.bind(engine_app, board, model_path, config.model_name,
                         engine.scheduler.max_context_len, config.max_request_bytes,
-                        api_key_of(config), cache_aware_router=policy is not None)
+                        api_key_of(config), cache_aware_router=policy is not None,
+                        schedule_policy=engine.scheduler.schedule_policy)
 
 
 def check_attention_backend(config: AppConfig, device: str) -> None:

@@ -93,7 +93,7 @@ class OpenAIIngress:
     def __init__(self, engine: DeploymentHandle, stats_board: DeploymentHandle,
                  model_path: str, model_name: str, max_context_len: int,
                  max_request_bytes: int, api_key: str | None = None,
-                 cache_aware_router: bool = False) -> None:
+                 cache_aware_router: bool = False, schedule_policy: str = "fcfs") -> None:
         from transformers import AutoTokenizer
 
         self.engine = engine
@@ -106,6 +106,7 @@ class OpenAIIngress:
         self.created = int(time.time())
         self.metrics = IngressMetrics()
         self.cache_aware_router = cache_aware_router
+        self.schedule_policy = schedule_policy
 
     # ------------------------------------------------------------------------ endpoints
     @app.get("/health")
@@ -228,6 +229,10 @@ class OpenAIIngress:
         if grammar is not None and body.min_tokens:
             raise bad_request("min_tokens can't be combined with a constrained output: the "
                               "grammar decides where the output ends", "min_tokens")
+        if body.priority and self.schedule_policy != "priority":
+            raise bad_request(f"priority is used only under the priority schedule policy; this "
+                              f"server schedules by {self.schedule_policy!r} "
+                              "(start it with --schedule-policy priority)", "priority")
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         if any(not s for s in stop):
             raise bad_request("stop strings must not be empty", "stop")
@@ -243,7 +248,8 @@ class OpenAIIngress:
                                   grammar=grammar)
         return GenerationParams(sampling=sampling, max_new_tokens=max_tokens,
                                 min_new_tokens=body.min_tokens,
-                                stop_strings=tuple(stop), ignore_eos=body.ignore_eos)
+                                stop_strings=tuple(stop), ignore_eos=body.ignore_eos,
+                                priority=body.priority, extra_key=body.cache_salt)
 
     async def _grammar(self, body: CompletionRequest | ChatCompletionRequest
                        ) -> GrammarSpec | None:

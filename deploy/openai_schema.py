@@ -69,6 +69,15 @@ class _SamplingFields(_GrammarFields):
     stream: bool = Field(False, description="server-sent events, ending with [DONE]")
     stream_options: StreamOptions | None = None
     ignore_eos: bool = Field(False, description="keep going past end-of-sequence tokens")
+    priority: int = Field(
+        0, ge=-(2**31), le=2**31 - 1,
+        description="larger runs earlier; only when the server's schedule policy is priority",
+    )
+    cache_salt: str | None = Field(
+        None, min_length=1, max_length=256,
+        description="prefix-cache namespace: a request reuses cached prefixes only of requests "
+        "with the same salt (none shares only with unsalted ones)",
+    )
     user: str | None = Field(None, description="ignored")
 
 

@@ -230,3 +230,29 @@ def test_cached_tokens_reported(client: openai.OpenAI) -> None:
                                        temperature=0)
     assert second.usage is not None and second.usage.prompt_tokens_details is not None
     assert second.usage.prompt_tokens_details.cached_tokens >= 30
+
+
+def test_cache_salt_separates_cached_prefixes(client: openai.OpenAI) -> None:
+    prompt = "A salted system prompt about rivers, mountains and lakes of South America. " * 3
+
+    def cached(suffix: str, salt: str | None) -> int:
+        extra = {"cache_salt": salt} if salt is not None else None
+        out = client.completions.create(model=MODEL_NAME, prompt=prompt + suffix, max_tokens=2,
+                                        temperature=0, extra_body=extra)
+        assert out.usage is not None and out.usage.prompt_tokens_details is not None
+        return out.usage.prompt_tokens_details.cached_tokens
+
+    assert cached("Q1", "tenant-a") == 0
+    assert cached("Q2", "tenant-b") == 0  # another tenant's prefix is not shared
+    assert cached("Q3", None) == 0  # nor with unsalted requests
+    assert cached("Q4", "tenant-a") >= 30  # the same tenant hits
+
+
+def test_priority_refused_under_fcfs_and_empty_salt_refused(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=2,
+                                  extra_body={"priority": 3})
+    assert "priority" in str(err.value) and "fcfs" in str(err.value)
+    with pytest.raises(openai.BadRequestError, match="cache_salt"):
+        client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=2,
+                                  extra_body={"cache_salt": ""})
