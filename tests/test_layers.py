@@ -23,7 +23,7 @@ THIRD_PARTY = {
     "cache": {"numpy"},
     "workers": {"torch", "transformers", "safetensors", "numpy", "flashinfer", "gguf", "tqdm",
                 "xgrammar"},
-    "cluster": {"ray", "numpy", "torch", "yaml"},
+    "cluster": {"ray", "numpy"},  # torch-free: the model stack loads in the ranks only
     "router": {"ray", "numpy"},
     "deploy": None,  # anything
 }

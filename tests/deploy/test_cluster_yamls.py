@@ -1,4 +1,4 @@
-"""Every `ray up` config in cluster/ passes Ray's own preparation and schema check, offline."""
+"""Every `ray up` config in ray-clusters/ passes Ray's own preparation and schema check, offline."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import yaml
 from ray.autoscaler._private.util import prepare_config, validate_config
 
-CLUSTER = Path(__file__).resolve().parents[2] / "cluster"
+CLUSTER = Path(__file__).resolve().parents[2] / "ray-clusters"
 YAMLS = sorted(CLUSTER.glob("*.yaml"))
 
 
