@@ -16,13 +16,15 @@ from .config import EngineConfig
 if TYPE_CHECKING:
     from ray.actor import ActorHandle
 
+    from .worker_actor import WorkerActor
+
 
 class RankLocation(NamedTuple):
     """Where one rank of a replica runs."""
 
     tp_rank: int
     node_id: str | None  # its Ray node; None: inside the engine's own process
-    worker: ActorHandle | None  # its worker actor; None: inside the engine's own process
+    worker: ActorHandle[WorkerActor] | None  # its worker actor; None: inside the engine's own process
 
 
 class UnhealthyRanksError(RuntimeError):

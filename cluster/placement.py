@@ -38,7 +38,7 @@ def create_replica_placement(tp_size: int, use_gpu: bool, strategy: str,
         raise ValueError(f"placement strategy must be one of {STRATEGIES}, got {strategy!r}")
     if strategy == "STRICT_PACK" and largest_fit(tp_size, use_gpu, num_extra_cpus=0) is None:
         raise RuntimeError(unplaceable_message(tp_size, use_gpu, strategy, None))
-    pg = placement_group(rank_bundles(tp_size, use_gpu), strategy=strategy)
+    pg: PlacementGroup = placement_group(rank_bundles(tp_size, use_gpu), strategy=strategy)
     if wait_placed(pg, timeout_s):
         return pg
     remove_placement_group(pg)

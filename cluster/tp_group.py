@@ -24,8 +24,10 @@ import concurrent.futures
 import contextlib
 import time
 from collections.abc import Sequence
+from typing import cast
 
 import ray
+from ray import ObjectRef
 from ray.actor import ActorHandle
 from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError, RayError
 from ray.util.placement_group import PlacementGroup, remove_placement_group
@@ -65,7 +67,7 @@ class RayTPGroup:
             use_gpu = worker_configs[0].device.startswith("cuda")
         deadline = time.monotonic() + startup_timeout_s
         self._owns_placement_group = placement_group is None
-        self._actors: list[ActorHandle] = []
+        self._actors: list[ActorHandle[WorkerActor]] = []
         self._stopped = False
         self._broken: str | None = None  # why steps can't run any more
         if placement_group is None:
@@ -94,7 +96,7 @@ class RayTPGroup:
             raise
 
     @property
-    def workers(self) -> tuple[ActorHandle, ...]:
+    def workers(self) -> tuple[ActorHandle[WorkerActor], ...]:
         """The worker actors in rank order (for health tools and tests)."""
         return tuple(self._actors)
 
@@ -102,8 +104,8 @@ class RayTPGroup:
                      timeout_s: float) -> int:
         """Rendezvous and build every rank's worker; returns the agreed `max_num_tokens`."""
         try:
-            address = ray.get(self._actors[0].rendezvous_address.remote(),
-                              timeout=max(deadline - time.monotonic(), 0.0))
+            address = cast(str, ray.get(self._actors[0].rendezvous_address.remote(),
+                                        timeout=max(deadline - time.monotonic(), 0.0)))
         except (GetTimeoutError, RayError) as e:
             raise RuntimeError(f"rank 0 of the replica did not start within {timeout_s:g} s: "
                                f"{e}") from e
@@ -143,7 +145,7 @@ class RayTPGroup:
         if self._broken is not None:
             raise RuntimeError(f"the TP group is broken: {self._broken}")
         try:
-            return ray.get(self._actors[0].step.remote(plan))
+            return cast(StepResult, ray.get(self._actors[0].step.remote(plan)))
         except RayActorError as e:
             self._broken = f"rank 0 died during step {plan.step_id} ({type(e).__name__})"
             raise RuntimeError(self._broken) from e  # Ray's long text stays in the cause
@@ -210,7 +212,7 @@ class RayTPGroup:
         if self._stopped:
             return
         if self.tp_size > 1 and self._actors:
-            ref = self._actors[0].stop_followers.remote()
+            ref: ObjectRef[None] = self._actors[0].stop_followers.remote()
             # a dead rank can't be released gently; killing it below is enough
             with contextlib.suppress(GetTimeoutError, RayError):
                 ray.get(ref, timeout=STOP_TIMEOUT_S)
@@ -225,13 +227,15 @@ class RayTPGroup:
             remove_placement_group(self.placement_group)
 
 
-def _make_actor(pg: PlacementGroup, bundle_idx: int, tp_rank: int, use_gpu: bool) -> ActorHandle:
+def _make_actor(pg: PlacementGroup, bundle_idx: int, tp_rank: int,
+                use_gpu: bool) -> ActorHandle[WorkerActor]:
     """One rank's actor in its bundle. On GPUs it takes no CPU, so fake GPUs fit on small hosts."""
     strategy = PlacementGroupSchedulingStrategy(placement_group=pg,
                                                 placement_group_bundle_index=bundle_idx)
     options = ({"num_gpus": 1, "num_cpus": 0} if use_gpu else {"num_cpus": 1})
-    return _REMOTE_WORKER.options(scheduling_strategy=strategy, max_concurrency=MAX_CONCURRENCY,
-                                  **options).remote(tp_rank)
+    actor = _REMOTE_WORKER.options(scheduling_strategy=strategy, max_concurrency=MAX_CONCURRENCY,
+                                   **options).remote(tp_rank)
+    return cast("ActorHandle[WorkerActor]", actor)
 
 
 def _error_text(e: RayError) -> str:

@@ -6,10 +6,11 @@
 """
 
 import os  # no `from __future__ import annotations`: `serve run` reads build_app's annotation
+from typing import cast
 
 import ray
 from ray import serve
-from ray.serve import Application
+from ray.serve import Application, Deployment
 from ray.serve.config import RequestRouterConfig
 
 from raydix.cluster.placement import check_replica_fits
@@ -78,7 +79,7 @@ def bind_app(config: AppConfig, engine_factory: EngineFactory = build_engine) ->
     if bundles is not None:
         placement = {"placement_group_bundles": bundles,
                      "placement_group_strategy": "STRICT_PACK"}
-    engine_deployment = serve.deployment(EngineServer).options(
+    engine_deployment = _deployment(EngineServer).options(
         name=ENGINE_DEPLOYMENT,
         # above the engine's own admission bound, so the engine answers "overloaded" (503)
         max_ongoing_requests=config.max_running_requests + config.max_waiting_requests + 64,
@@ -91,7 +92,7 @@ def bind_app(config: AppConfig, engine_factory: EngineFactory = build_engine) ->
         **placement,  # type: ignore[arg-type]
         **request_router_options(config),  # type: ignore[arg-type]
     )
-    board = serve.deployment(StatsBoard).options(
+    board = _deployment(StatsBoard).options(
         name=STATS_BOARD_DEPLOYMENT, num_replicas=1, ray_actor_options={"num_cpus": 0},
         max_ongoing_requests=1024,
         logging_config={"enable_access_log": False},  # a report per replica per second
@@ -105,7 +106,7 @@ def bind_app(config: AppConfig, engine_factory: EngineFactory = build_engine) ->
                                cpu_threads=cpu_threads)
     policy = routing_policy(config)
     engine_app = engine_deployment.bind(engine, settings, engine_factory, board, routing=policy)
-    ingress = serve.deployment(OpenAIIngress).options(
+    ingress = _deployment(OpenAIIngress).options(
         name=INGRESS_DEPLOYMENT,
         num_replicas=config.ingress_replicas,
         max_ongoing_requests=MAX_INGRESS_ONGOING_REQUESTS,
@@ -113,10 +114,11 @@ def bind_app(config: AppConfig, engine_factory: EngineFactory = build_engine) ->
         graceful_shutdown_wait_loop_s=GRACEFUL_WAIT_LOOP_S,
         ray_actor_options={"num_cpus": 0},
     )
-    return ingress.bind(engine_app, board, model_path, config.model_name,
-                        engine.scheduler.max_context_len, config.max_request_bytes,
-                        api_key_of(config), cache_aware_router=policy is not None,
-                        schedule_policy=engine.scheduler.schedule_policy)
+    app = ingress.bind(engine_app, board, model_path, config.model_name,
+                       engine.scheduler.max_context_len, config.max_request_bytes,
+                       api_key_of(config), cache_aware_router=policy is not None,
+                       schedule_policy=engine.scheduler.schedule_policy)
+    return app
 
 
 def check_attention_backend(config: AppConfig, device: str) -> None:
@@ -148,16 +150,22 @@ def replica_cpu_threads(config: AppConfig, device: str,
     return max(default_cpu_threads(os.cpu_count() or 1) // replicas, 1)
 
 
+def _deployment(cls: type) -> Deployment:
+    """`serve.deployment` on a class (its overloads type the plain call as a decorator)."""
+    return cast(Deployment, serve.deployment(cls))
+
+
 def request_router_options(config: AppConfig) -> dict[str, RequestRouterConfig]:
     """The engine deployment's request router. cache_aware asks the application's router actor
     (which the first engine replica creates); power_of_two is Serve's default router."""
     if config.router == "cache_aware":
         kwargs = {"decision_timeout_s": config.router_decision_timeout_s}
         return {"request_router_config": RequestRouterConfig(
-            request_router_class=CacheAwareRequestRouter, request_router_kwargs=kwargs)}
+            request_router_class=CacheAwareRequestRouter,  # type: ignore[arg-type]
+            request_router_kwargs=kwargs)}
     if config.router == "round_robin":
         return {"request_router_config": RequestRouterConfig(
-            request_router_class=RoundRobinRequestRouter)}
+            request_router_class=RoundRobinRequestRouter)}  # type: ignore[arg-type]
     return {}
 
 

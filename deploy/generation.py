@@ -18,7 +18,7 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import replace
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, cast
 
 from ray.exceptions import RayActorError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
@@ -27,6 +27,11 @@ from raydix.cluster.async_engine import EngineDeadError, EngineOverloadedError
 from raydix.cluster.request import GenerationParams, RequestOutput
 
 from .errors import ApiError, bad_request, engine_unavailable, overloaded
+
+if TYPE_CHECKING:
+    from .server import EngineServer
+
+_Stream = DeploymentResponseGenerator[list[RequestOutput]]
 
 logger = logging.getLogger(__name__)
 
@@ -79,15 +84,16 @@ def _api_error(error: BaseException) -> ApiError | None:
 class ChoiceStreams:
     """The running engine requests of one API request."""
 
-    def __init__(self, handle: DeploymentHandle, choices: list[Choice]) -> None:
+    def __init__(self, handle: DeploymentHandle[EngineServer], choices: list[Choice]) -> None:
         self.choices = choices
         self._handle = handle.options(stream=True)
-        self._gens: list[DeploymentResponseGenerator] = [self._send(c) for c in choices]
+        self._gens: list[_Stream] = [self._send(c) for c in choices]
         self._first: list[list[RequestOutput]] = []
         self._done = [False] * len(choices)
 
-    def _send(self, choice: Choice) -> DeploymentResponseGenerator:
-        return self._handle.generate.remote(choice.prompt_ids, choice.params, choice.rid)
+    def _send(self, choice: Choice) -> _Stream:
+        return cast(_Stream, self._handle.generate.remote(choice.prompt_ids, choice.params,
+                                                          choice.rid))
 
     async def start(self) -> None:
         """Wait for each request's first outputs, so refusals become errors before any byte

@@ -12,7 +12,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -22,6 +22,10 @@ from ray.serve.handle import DeploymentHandle
 
 from raydix.cluster.request import GenerationParams
 from raydix.workers.step import GrammarSpec, SamplingParams
+
+if TYPE_CHECKING:
+    from .server import EngineServer
+    from .stats_board import StatsBoard
 
 from .errors import ApiError, bad_request, from_validation_error, too_large, unauthorized
 from .generation import ChoiceStreams, make_choices
@@ -90,7 +94,8 @@ async def _server_error(_: Request, error: Exception) -> JSONResponse:
 
 @serve.ingress(app)
 class OpenAIIngress:
-    def __init__(self, engine: DeploymentHandle, stats_board: DeploymentHandle,
+    def __init__(self, engine: "DeploymentHandle[EngineServer]",
+                 stats_board: "DeploymentHandle[StatsBoard]",
                  model_path: str, model_name: str, max_context_len: int,
                  max_request_bytes: int, api_key: str | None = None,
                  cache_aware_router: bool = False, schedule_policy: str = "fcfs") -> None:

@@ -88,7 +88,7 @@ def _completion_logprobs(head: ResponseHead, token_ids: list[int], logprobs: lis
         offset += len(tok)
     top_dicts = []
     for tok, lp, top in zip(tokens, logprobs, tops or [()] * len(tokens), strict=True):
-        alternatives = {}
+        alternatives: dict[str, float] = {}
         for t, alt_lp in top:
             alternatives.setdefault(head.token_text(t), alt_lp)
         alternatives.setdefault(tok, lp)

@@ -32,7 +32,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, cast
 
 import ray
 import torch
@@ -43,6 +43,7 @@ from ray.serve.handle import DeploymentHandle
 from raydix.cache import EventBuffer, EventSink
 from raydix.cluster.async_engine import AsyncEngine
 from raydix.cluster.config import EngineConfig
+from raydix.cluster.detokenizer import TokenDecoder
 from raydix.cluster.engine import Engine
 from raydix.cluster.executor import Executor, LocalExecutor, UnhealthyRanksError
 from raydix.cluster.request import GenerationParams, RequestOutput
@@ -53,6 +54,11 @@ from raydix.router.reporter import LoadReport, ReplicaReporter
 from .cpu_threads import use_cpu_threads
 from .replica_facts import ReplicaFacts, StartupLog, replica_facts
 from .replica_stats import CacheAudit, ReplicaStats, read_stats, report_loop
+
+if TYPE_CHECKING:
+    from raydix.cluster.worker_actor import WorkerActor
+
+    from .stats_board import StatsBoard
 
 __all__ = ["EngineServer", "RankInfo", "ReplicaSettings", "ReplicaStats", "build_engine"]
 
@@ -110,7 +116,8 @@ def build_engine(config: EngineConfig, settings: ReplicaSettings,
             use_gpu=settings.use_gpu_bundles,
             startup_timeout_s=settings.startup_timeout_s,
         )
-    return Engine(config, executor=executor, tokenizer=tokenizer, event_sink=event_sink)
+    return Engine(config, executor=executor, tokenizer=cast(TokenDecoder, tokenizer),
+                  event_sink=event_sink)
 
 
 class RankInfo(NamedTuple):
@@ -119,7 +126,7 @@ class RankInfo(NamedTuple):
     replica_id: str
     tp_rank: int
     node_id: str
-    worker: ActorHandle | None  # None: the rank runs inside the replica (tp 1 without Ray)
+    worker: ActorHandle[WorkerActor] | None  # None: the rank runs inside the replica (tp 1 without Ray)
 
 
 def _replica_id() -> str:
@@ -148,7 +155,7 @@ class EngineServer:
     def __init__(self, engine_config: EngineConfig,
                  settings: ReplicaSettings = ReplicaSettings(),
                  engine_factory: EngineFactory = build_engine,
-                 stats_board: DeploymentHandle | None = None,
+                 stats_board: DeploymentHandle[StatsBoard] | None = None,
                  report_period_s: float = 0.05,
                  routing: RoutingPolicyConfig | None = None) -> None:
         self.replica_id = _replica_id()

@@ -12,6 +12,7 @@ waits on anything, so serial execution costs no concurrency.
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
+from typing import cast
 
 import numpy as np
 import numpy.typing as npt
@@ -32,9 +33,10 @@ def router_actor_name(app_name: str) -> str:
     return f"{ROUTER_ACTOR_PREFIX}-{app_name}"
 
 
-def get_router(app_name: str) -> ActorHandle:
+def get_router(app_name: str) -> ActorHandle[RouterActor]:
     """The application's router actor; ValueError if there is none. A blocking GCS lookup."""
-    return ray.get_actor(router_actor_name(app_name), namespace=ROUTER_NAMESPACE)
+    return cast("ActorHandle[RouterActor]",
+                ray.get_actor(router_actor_name(app_name), namespace=ROUTER_NAMESPACE))
 
 
 class RouterActor:
@@ -108,19 +110,19 @@ def get_or_create_router(
     policy: RoutingPolicyConfig | None = None,
     exact: bool = True,
     max_approx_tokens: int = 4_000_000,
-) -> ActorHandle:
+) -> ActorHandle[RouterActor]:
     """The application's router actor, made on first use (detached from its creator), on the
     head node: a worker node's loss must not take the router with it. An actor left by an
     earlier deployment of the app with other settings is reset to these."""
     remote = ray.remote(num_cpus=0, max_restarts=-1)(RouterActor)
-    actor = remote.options(
+    actor = cast("ActorHandle[RouterActor]", remote.options(
         name=router_actor_name(app_name),
         namespace=ROUTER_NAMESPACE,
         get_if_exists=True,
         lifetime="detached",
         scheduling_strategy="DEFAULT",  # never inside the caller's placement group
         resources={HEAD_NODE_RESOURCE: 0.001},
-    ).remote(page_size, policy, exact, max_approx_tokens)
+    ).remote(page_size, policy, exact, max_approx_tokens))
     # ordered before this caller's next calls
     actor.configure.remote(page_size, policy, exact, max_approx_tokens)
-    return actor  # type: ignore[no-any-return]
+    return actor

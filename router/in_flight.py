@@ -20,6 +20,7 @@ import itertools
 import time
 from collections import deque
 from collections.abc import Callable, Hashable
+from typing import cast
 
 import numpy as np
 import numpy.typing as npt
@@ -80,7 +81,8 @@ class InFlightPrefixes:
         if not self._entries:
             return {}
         out: dict[ReplicaId, int] = {}
-        for (replica, _), length in self._tree.match(token_ids, extra_key).items():
+        for entry, length in self._tree.match(token_ids, extra_key).items():
+            replica, _ = cast(tuple[ReplicaId, int], entry)
             if length > out.get(replica, 0):
                 out[replica] = length
         return out

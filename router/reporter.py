@@ -19,11 +19,14 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ray.actor import ActorHandle
 
 from raydix.cache import CacheEvent
+
+if TYPE_CHECKING:
+    from .actor import RouterActor
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +40,7 @@ class LoadReport(NamedTuple):
 class ReplicaReporter:
     def __init__(
         self,
-        router: ActorHandle,
+        router: ActorHandle[RouterActor],
         replica_id: str,
         drain_events: Callable[[], Sequence[CacheEvent]],
         read_load: Callable[[], LoadReport],
@@ -66,7 +69,7 @@ class ReplicaReporter:
         """Send what changed since the last report; returns the router's answer to the events
         (an awaitable), or None when nothing was sent."""
         events = list(self._drain_events())
-        answer = None
+        answer: Any = None
         now = time.monotonic()
         if events or now - self._last_publish >= self.heartbeat_s:
             answer = self.router.publish.remote(self.replica_id, events)

@@ -18,6 +18,7 @@ import time
 
 import numpy as np
 import ray
+from ray import ObjectRef
 from ray.actor import ActorHandle
 from ray.serve.request_router import (
     FIFOMixin,
@@ -27,7 +28,8 @@ from ray.serve.request_router import (
     RunningReplica,
 )
 
-from .actor import get_router
+from .actor import RouterActor, get_router
+from .policy import RoutingDecision
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +47,7 @@ class CacheAwareRequestRouter(FIFOMixin, RequestRouter):
         """`app_name` names the router actor; default: the deployment's application."""
         self._app_name = app_name
         self._decision_timeout_s = decision_timeout_s
-        self._actor: ActorHandle | None = None
+        self._actor: ActorHandle[RouterActor] | None = None
         self._lookup_failed_at = -LOOKUP_RETRY_S
         self.num_fallbacks = 0
 
@@ -67,7 +69,7 @@ class CacheAwareRequestRouter(FIFOMixin, RequestRouter):
             logger.debug("router actor not reachable for the replica set (%s)", exc)
             self._actor = None
 
-    def _router_actor(self) -> ActorHandle:
+    def _router_actor(self) -> ActorHandle[RouterActor]:
         """The router actor's handle. Looking it up is a blocking GCS call: after a failed
         lookup the next is tried only `LOOKUP_RETRY_S` later (routing by load meanwhile)."""
         if self._actor is None:
@@ -102,7 +104,8 @@ class CacheAwareRequestRouter(FIFOMixin, RequestRouter):
         self, prompt: np.ndarray, extra_key: object, candidates: list[str]
     ) -> str | None:
         try:
-            ref = self._router_actor().route.remote(prompt, extra_key, candidates)
+            ref: ObjectRef[RoutingDecision] = self._router_actor().route.remote(
+                prompt, extra_key, candidates)
             decision = await asyncio.wait_for(ref, self._decision_timeout_s)
         except (asyncio.TimeoutError, ValueError, ray.exceptions.RayError) as exc:
             logger.debug("router actor unavailable (%s); routing by load", exc)

@@ -86,7 +86,7 @@ def convert_gguf(gguf_path: str | Path, cache_dir: str | Path = DEFAULT_CACHE_DI
 
 
 def _write_safetensors(model: torch.nn.Module, folder: Path) -> None:
-    config = model.config.to_dict()  # type: ignore[operator]
+    config = model.config.to_dict()  # type: ignore[union-attr, operator]
     config.pop("quantization_config", None)
     config.pop("_model_name_or_path", None)
     config["architectures"] = [type(model).__name__]

@@ -63,7 +63,8 @@ def load_model(folder: str | Path, config: ModelConfig, group: TPGroup, dtype: t
                             raise ValueError(f"checkpoint tensor {name!r} ({path.name}) has no "
                                              f"matching parameter {param_name!r} in the model")
                         module = model.get_submodule(param_name.rpartition(".")[0])
-                        module.weight_loader(params[param_name], source, shard_id)
+                        module.weight_loader(  # type: ignore[operator]
+                            params[param_name], source, shard_id)
                         loaded.add(f"{param_name}/{shard_id}")
     progress.close()
     _check_complete(model, loaded)

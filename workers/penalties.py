@@ -57,11 +57,11 @@ class PenaltyTracker:
         if self._entry:
             starts = np.cumsum(plan.extend_lens) - plan.extend_lens
             for i, row in enumerate(plan.row_idx.tolist()):
-                entry = self._entry.get(row)
-                if entry is None:
+                tracked = self._entry.get(row)
+                if tracked is None:
                     continue
                 n, first = int(plan.extend_lens[i]), int(starts[i])
-                entries.append(np.full(n, entry))
+                entries.append(np.full(n, tracked))
                 tokens.append(plan.input_ids[first: first + n])
                 output.append(np.arange(n) + int(plan.prefix_lens[i]) >= self._prompt_len[row])
         if entries:

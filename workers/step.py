@@ -159,8 +159,8 @@ class ScheduledRequest:
 
     row_idx: int
     prefix_len: int  # tokens of this request already in the pool (cached prefix + earlier chunks)
-    input_ids: Sequence[int]  # the new tokens: a prompt chunk (extend) or one token (decode)
-    out_cache_loc: Sequence[int]  # one slot per new token
+    input_ids: Sequence[int] | np.ndarray  # the new tokens: a prompt chunk (extend) or one token (decode)
+    out_cache_loc: Sequence[int] | np.ndarray  # one slot per new token
     # sent with this step (a new row, or a change); None: the row's last ones still hold
     sampling: SamplingParams | None = GREEDY
 

@@ -78,7 +78,7 @@ class CascadeBatch:
             member_idx[g, : len(m)] = start + np.arange(len(m))
             places.append(g * max_members + np.arange(len(m)))
             start += len(m)
-        shared = np.array([s for _, s in groups])
+        shared_lens = np.array([s for _, s in groups])
         suffix_lens = lens[members] - shared_of
         suffix_len = int(suffix_lens.max())
         cols = np.minimum(shared_of[:, None] + np.arange(suffix_len), slots.shape[1] - 1)
@@ -91,7 +91,7 @@ class CascadeBatch:
             members, num_groups, max_members, tensor(member_idx.reshape(-1)),
             tensor(np.concatenate(places)),
             tensor(_pool_rows(prefix_slots, num_kv_heads)), prefix_len,
-            tensor(np.arange(prefix_len)[None, :] >= shared[:, None])[:, None, None, :],
+            tensor(np.arange(prefix_len)[None, :] >= shared_lens[:, None])[:, None, None, :],
             tensor(_pool_rows(suffix_slots, num_kv_heads)), suffix_len,
             tensor(np.arange(suffix_len)[None, :] >= suffix_lens[:, None])[:, None, None, :])
 

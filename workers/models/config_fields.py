@@ -186,8 +186,8 @@ def rope_config(fields: ConfigFields, params: object, max_position_embeddings: i
         else:
             attention = _yarn_mscale(factor)
         return RopeConfig("yarn", theta, partial, factor, orig,
-                          beta_fast=float(params.get("beta_fast") or 32),  # type: ignore[arg-type]
-                          beta_slow=float(params.get("beta_slow") or 1),  # type: ignore[arg-type]
+                          beta_fast=float(params.get("beta_fast") or 32),
+                          beta_slow=float(params.get("beta_slow") or 1),
                           mscale=mscale, mscale_all_dim=mscale_all,
                           truncate=bool(params.get("truncate", True)),
                           attention_factor=attention)

@@ -1,0 +1,1 @@
+../../raydix/__init__.py
