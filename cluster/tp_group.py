@@ -84,13 +84,14 @@ class RayTPGroup:
             self._actors = [_make_actor(placement_group, bundle_offset + r, r, use_gpu)
                             for r in range(self.tp_size)]
             self.max_num_tokens = self._start_ranks(worker_configs, deadline, startup_timeout_s)
-            self.max_host_tokens: int = ray.get(self._actors[0].max_host_tokens.remote(),
-                                                timeout=max(deadline - time.monotonic(), 1.0))
+            self.max_host_tokens = cast(int, ray.get(self._actors[0].max_host_tokens.remote(),
+                                                     timeout=max(deadline - time.monotonic(), 1.0)))
             self.node_ids: tuple[str, ...] = tuple(ray.get(
                 [a.node_id.remote() for a in self._actors],
                 timeout=max(deadline - time.monotonic(), 1.0)))
-            self._locations = tuple(RankLocation(r, node, actor) for r, (node, actor)
-                                    in enumerate(zip(self.node_ids, self._actors, strict=True)))
+            self._locations: tuple[RankLocation, ...] = tuple(
+                RankLocation(r, node, actor) for r, (node, actor)
+                in enumerate(zip(self.node_ids, self._actors, strict=True)))
         except BaseException:
             self._release()
             raise
