@@ -171,7 +171,7 @@ class Engine:
         sched = self.scheduler
         cache = sched.cache
         used = cache.capacity - cache.available_size()
-        return EngineMetrics(
+        metrics = EngineMetrics(
             num_running=len(sched.running),
             num_waiting=len(sched.waiting),
             token_usage=used / cache.capacity,
@@ -182,21 +182,22 @@ class Engine:
             num_cached_tokens=sched.stats.num_cached_tokens,
             num_retractions=sched.stats.num_retractions,
             num_finished=sched.stats.num_finished,
-            **self._host_metrics(),
         )
+        return self._with_host_metrics(metrics)
 
-    def _host_metrics(self) -> dict[str, int | float]:
+    def _with_host_metrics(self, metrics: EngineMetrics) -> EngineMetrics:
         host, stats = self.scheduler.cache.host_cache, self.scheduler.stats
         if host is None:
-            return {}
-        return dict(num_host_tokens=host.host_size, host_capacity=host.host_capacity,
-                    host_token_usage=host.host_size / host.host_capacity,
-                    host_hit_rate=stats.host_hit_rate,
-                    num_host_hit_tokens=stats.num_host_hit_tokens,
-                    num_loaded_tokens=host.num_loaded_tokens,
-                    num_written_tokens=host.num_written_tokens,
-                    load_throughput=stats.per_second(host.num_loaded_tokens),
-                    write_throughput=stats.per_second(host.num_written_tokens))
+            return metrics
+        return metrics._replace(
+            num_host_tokens=host.host_size, host_capacity=host.host_capacity,
+            host_token_usage=host.host_size / host.host_capacity,
+            host_hit_rate=stats.host_hit_rate,
+            num_host_hit_tokens=stats.num_host_hit_tokens,
+            num_loaded_tokens=host.num_loaded_tokens,
+            num_written_tokens=host.num_written_tokens,
+            load_throughput=stats.per_second(host.num_loaded_tokens),
+            write_throughput=stats.per_second(host.num_written_tokens))
 
     @property
     def num_running(self) -> int:

@@ -35,7 +35,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple, cast
 
 import ray
-import torch
 from ray import serve
 from ray.actor import ActorHandle
 from ray.serve.handle import DeploymentHandle
@@ -169,11 +168,16 @@ class EngineServer:
                     logger.info("priority: nice %d -> 0", was_nice)
             engine = engine_factory(engine_config, settings, events)
         executor = engine.executor
+        threads = None
+        if settings.cpu_threads is not None:  # the rank runs here: torch is loaded already
+            import torch
+
+            threads = torch.get_num_threads()
         self.facts = replica_facts(
             self.replica_id, engine_config,
             str(executor.worker.runner.dtype) if isinstance(executor, LocalExecutor) else "",
             executor.max_num_tokens,
-            torch.get_num_threads() if settings.cpu_threads is not None else None,
+            threads,
             time.perf_counter() - start, startup.lines)
         loop = asyncio.get_running_loop()  # the constructor runs on the replica's event loop
         self._leaving: asyncio.Task[None] | None = None
