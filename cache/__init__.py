@@ -6,7 +6,8 @@ Pure Python and numpy: no torch, no ray. The physical K/V tensors live in ``rayd
 from .allocator import PagedSlotAllocator
 from .base import CachedPrefix, MatchResult, PrefixCache, PrefixHandle, SizeInfo
 from .events import CacheEvent, EventBuffer, EventKind, EventSink
-from .hiradix import WRITE_POLICIES, HiRadixCache, KVCopies
+from .hiradix import WRITE_POLICIES, HiRadixCache
+from .kv_copies import KVCopies
 from .manager import CacheConfig, KVCacheManager
 from .naive import NoPrefixCache
 from .radix import RadixCache

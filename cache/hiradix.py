@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Hashable, Iterable
-from typing import NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -38,6 +37,7 @@ from .allocator import PagedSlotAllocator
 from .base import MatchResult, PrefixHandle, TokenArray
 from .events import EventKind, EventSink
 from .hiradix_audit import check_host_tier
+from .kv_copies import CopyQueue, KVCopies
 from .radix import RadixCache
 from .req_table import SlotArray
 from .tree_node import TreeNode, as_token_array
@@ -45,24 +45,6 @@ from .tree_node import TreeNode, as_token_array
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 _ITEM = 4
 _EMPTY = np.zeros(0, dtype=np.int32)
-
-
-class KVCopies(NamedTuple):
-    """Copies for the ranks to make before a step's forward: device->host writes first, then
-    host->device loads, each a pair of equal-length slot arrays (source, destination)."""
-
-    write_device_slots: SlotArray
-    write_host_slots: SlotArray
-    load_host_slots: SlotArray
-    load_device_slots: SlotArray
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.write_device_slots) + len(self.load_host_slots)
-
-
-def _concat(parts: list[SlotArray]) -> SlotArray:
-    return np.concatenate(parts).astype(np.int32, copy=False) if parts else _EMPTY.copy()
 
 
 class HiRadixCache(RadixCache):
@@ -93,9 +75,7 @@ class HiRadixCache(RadixCache):
         super().reset()
         self.host_allocator.clear()
         self._host_size = 0
-        self._writes: list[tuple[SlotArray, SlotArray]] = []  # (device, host)
-        self._loads: list[tuple[SlotArray, SlotArray]] = []  # (host, device)
-        self._loading: list[TreeNode] = []
+        self._copies = CopyQueue()
 
     @property
     def host_size(self) -> int:
@@ -108,7 +88,7 @@ class HiRadixCache(RadixCache):
 
     @property
     def has_copies(self) -> bool:
-        return bool(self._writes or self._loads)
+        return bool(self._copies)
 
     # ------------------------------------------------------------------------------ match
     def match_prefix(self, token_ids: npt.ArrayLike, extra_key: Hashable = None) -> MatchResult:
@@ -120,7 +100,8 @@ class HiRadixCache(RadixCache):
         device_node = node
         while len(device_node.value) == 0 and device_node.parent is not None:
             device_node = device_node.parent
-        slots = _concat([v for v in values if len(v)])
+        device_values = [v for v in values if len(v)]
+        slots = np.concatenate(device_values) if device_values else _EMPTY
         host_len = matched - len(slots)
         return MatchResult(
             slots, PrefixHandle(len(slots), device_node, host_len, node if host_len else None)
@@ -133,8 +114,7 @@ class HiRadixCache(RadixCache):
             upper.host_value = child.host_value[:split_len]
             child.host_value = child.host_value[split_len:]
         if child.loading:
-            upper.loading = True
-            self._loading.append(upper)
+            self._copies.hold(upper)
         return upper
 
     def _is_leaf(self, node: TreeNode) -> bool:
@@ -214,7 +194,7 @@ class HiRadixCache(RadixCache):
             return False
         node.host_value = host
         self._host_size += num
-        self._writes.append((node.value, host))
+        self._copies.write(node.value, host)
         self.num_written_tokens += num
         if self._event_sink is not None:
             self._emit(EventKind.HOST_INSERTED, *self._path_of(node), num)
@@ -240,9 +220,7 @@ class HiRadixCache(RadixCache):
         if sum(len(n.key) for n in path) // _ITEM != handle.host_len:
             return False
         for n in path:
-            if not n.loading:
-                n.loading = True
-                self._loading.append(n)
+            self._copies.hold(n)
         return True
 
     def load_back(self, handle: PrefixHandle, slots: SlotArray) -> None:
@@ -263,7 +241,7 @@ class HiRadixCache(RadixCache):
             n.value = np.array(slots[pos : pos + num], dtype=np.int32)
             n.lock_ref += 1  # the handle's lock now reaches it
             self._protected_size += num
-            self._loads.append((n.host_value, n.value))
+            self._copies.load(n.host_value, n.value)
             pos += num
         self._refresh_leaf(handle.node)
         self.num_loaded_tokens += pos
@@ -275,14 +253,7 @@ class HiRadixCache(RadixCache):
 
     def drain_copies(self) -> KVCopies:
         """The copies queued since the last drain; the nodes being loaded are free again."""
-        copies = KVCopies(
-            _concat([d for d, _ in self._writes]), _concat([h for _, h in self._writes]),
-            _concat([h for h, _ in self._loads]), _concat([d for _, d in self._loads]))
-        self._writes, self._loads = [], []
-        for n in self._loading:
-            n.loading = False
-        self._loading = []
-        return copies
+        return self._copies.drain()
 
     # ------------------------------------------------------------------------------ evict
     def evict(self, num_tokens: int) -> SlotArray:
@@ -314,7 +285,7 @@ class HiRadixCache(RadixCache):
             if parent.parent is not None and not parent.lock_ref and self._is_leaf(parent):
                 self._evictable_leaves.add(parent)
                 heapq.heappush(heap, (parent.last_access, parent.id, parent))
-        return _concat(freed)
+        return np.concatenate(freed) if freed else _EMPTY.copy()
 
     def evict_host(self, num_tokens: int) -> int:
         """Drop least-recently-used host-only leaves until ``num_tokens`` host slots are free
@@ -376,7 +347,7 @@ class HiRadixCache(RadixCache):
         return self._path_of(node)[1]
 
     def loading_nodes(self) -> list[TreeNode]:
-        return list(self._loading)
+        return list(self._copies.loading)
 
     def check_integrity(self, locked_handles: Iterable[PrefixHandle] | None = None) -> None:
         super().check_integrity(locked_handles)

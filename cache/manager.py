@@ -23,8 +23,9 @@ import numpy.typing as npt
 from .allocator import PagedSlotAllocator
 from .base import MatchResult, PrefixCache, PrefixHandle, SizeInfo
 from .events import EventSink
-from .hiradix import HiRadixCache, KVCopies
+from .hiradix import HiRadixCache
 from .integrity import check_manager
+from .kv_copies import KVCopies
 from .naive import NoPrefixCache
 from .radix import RadixCache
 from .req_table import ReqToTokenPool, SlotArray, TableDiff
