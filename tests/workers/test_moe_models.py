@@ -104,4 +104,4 @@ def test_tp2_matches_transformers(moe_models: Models, tp2_group: SpawnedTPGroup,
         assert shapes["model.layers.0.self_attn.o_proj.weight"] == (64, 2 * 12)
         num_slots = 4096 + page_size
         assert shapes["kv_pool"] == (num_slots, 1, 24)
-        assert shapes["kv_pool_bytes"] == (_latent_bytes(m.folder, num_slots),)
+        assert tp2.pool_bytes_per_rank == [_latent_bytes(m.folder, num_slots)] * 2  # every rank

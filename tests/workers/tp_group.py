@@ -45,6 +45,7 @@ class TPCaseResult:
     max_num_tokens: int
     shard_shapes: dict[str, tuple[int, ...]]  # rank 0's local parameter shapes (layer 0)
     bad_plan_error: str  # what rank 0 said to a plan with an out-of-range row
+    pool_bytes_per_rank: list[int] = field(default_factory=list)  # every rank's KV pool bytes
 
 
 def _free_port() -> int:
@@ -113,6 +114,7 @@ def _rank_main(rank: int, tp_size: int, address: str, cases: mp.Queue, results: 
                 results.put((rank, "ok", result))
             else:
                 worker.follow()  # probe plans arrive through the same loop
+                results.put((rank, "follower", worker.runner.kv_pool.num_bytes))
         except Exception:
             results.put((rank, "error", traceback.format_exc()))
             return
@@ -134,13 +136,22 @@ class SpawnedTPGroup:
     def run(self, case: TPCase, timeout_s: float = 240.0) -> TPCaseResult:
         for q in self._cases:
             q.put(case)
-        try:
-            rank, status, payload = self._results.get(timeout=timeout_s)
-        except queue.Empty as e:
-            raise TimeoutError(f"TP group gave no answer in {timeout_s} s") from e
-        if status != "ok":
-            raise RuntimeError(f"rank {rank} failed:\n{payload}")
-        return payload
+        result: TPCaseResult | None = None
+        follower_bytes: dict[int, int] = {}
+        while result is None or len(follower_bytes) < self.tp_size - 1:
+            try:
+                rank, status, payload = self._results.get(timeout=timeout_s)
+            except queue.Empty as e:
+                raise TimeoutError(f"TP group gave no answer in {timeout_s} s") from e
+            if status == "error":
+                raise RuntimeError(f"rank {rank} failed:\n{payload}")
+            if status == "ok":
+                result = payload
+            else:  # a follower's pool, sent when rank 0 released it
+                follower_bytes[rank] = payload
+        result.pool_bytes_per_rank = [result.shard_shapes["kv_pool_bytes"][0],
+                                      *(follower_bytes[r] for r in sorted(follower_bytes))]
+        return result
 
     def close(self) -> None:
         for q in self._cases:
