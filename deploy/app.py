@@ -117,7 +117,8 @@ def bind_app(config: AppConfig, engine_factory: EngineFactory = build_engine) ->
     app = ingress.bind(engine_app, board, model_path, config.model_name,
                        engine.scheduler.max_context_len, config.max_request_bytes,
                        api_key_of(config), cache_aware_router=policy is not None,
-                       schedule_policy=engine.scheduler.schedule_policy)
+                       schedule_policy=engine.scheduler.schedule_policy,
+                       tool_call_parser=config.tool_call_parser)
     return app
 
 

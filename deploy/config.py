@@ -175,6 +175,9 @@ class AppConfig(BaseModel):
         0.05, gt=0, description="cache_aware: wait this long for the router, then route by load"
     )
     # HTTP limits
+    tool_call_parser: Literal["auto", "hermes", "llama3_json", "mistral"] = Field(
+        "auto", description="how tool calls are written and parsed; auto: from the chat "
+        "template (hermes when it shows none)")
     max_request_bytes: int = Field(
         1 << 20, ge=1024, description="larger request bodies get 413"
     )

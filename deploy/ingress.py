@@ -47,6 +47,8 @@ from .responses import (
     completion_sse,
 )
 from .structured import checked_grammar, requested_grammar
+from .tool_calls import ToolPlan, chat_messages, plan_tools
+from .tool_parsers import ToolParser, parser_for
 
 B = TypeVar("B", bound=BaseModel)
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -98,12 +100,14 @@ class OpenAIIngress:
                  stats_board: "DeploymentHandle[StatsBoard]",
                  model_path: str, model_name: str, max_context_len: int,
                  max_request_bytes: int, api_key: str | None = None,
-                 cache_aware_router: bool = False, schedule_policy: str = "fcfs") -> None:
+                 cache_aware_router: bool = False, schedule_policy: str = "fcfs",
+                 tool_call_parser: str = "auto") -> None:
         from transformers import AutoTokenizer
 
         self.engine = engine
         self.stats_board = stats_board
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.tool_parser = parser_for(tool_call_parser, self.tokenizer.chat_template)
         self.model_name = model_name
         self.max_context_len = max_context_len
         self.max_request_bytes = max_request_bytes
@@ -177,26 +181,34 @@ class OpenAIIngress:
         self._check_auth(request)
         body = await self._parse(request, ChatCompletionRequest)
         self._check_model(body.model)
-        prompt = self._chat_prompt(body)
+        tools = plan_tools(body, self.tool_parser)
+        prompt = self._chat_prompt(body, tools)
         max_tokens = body.max_completion_tokens or body.max_tokens
         if max_tokens is None:
             max_tokens = max(self.max_context_len - len(prompt), 1)
         limit_field = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
         if body.top_logprobs and not body.logprobs:
             raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
+        grammar = await self._grammar(body)
+        if tools is not None and tools.grammar is not None:
+            if grammar is not None:
+                raise bad_request("a constrained output can't be combined with tools (unless "
+                                  "tool_choice is none)", "tool_choice")
+            grammar = await checked_grammar(tools.grammar, "tools")
         params = self._params(body, [prompt], max_tokens, ("messages", limit_field),
-                              body.logprobs, body.top_logprobs or 0, await self._grammar(body))
-        return await self._generate("chatcmpl", body, [prompt], params, chat=True)
+                              body.logprobs, body.top_logprobs or 0, grammar)
+        return await self._generate("chatcmpl", body, [prompt], params, chat=True,
+                                    tool_parser=tools.parser if tools is not None else None)
 
     # ------------------------------------------------------------------------- pipeline
     async def _generate(self, kind: str, body: CompletionRequest | ChatCompletionRequest,
                         prompts: list[list[int]], params: GenerationParams,
-                        chat: bool) -> Response:
+                        chat: bool, tool_parser: ToolParser | None = None) -> Response:
         request_id = f"{kind}-{uuid.uuid4().hex}"
         choices = make_choices(request_id, prompts, params, body.n)
         head = ResponseHead(id=request_id, model=self.model_name, n=body.n,
                             want_logprobs=params.sampling.return_logprob,
-                            token_text=self._token_text)
+                            token_text=self._token_text, tool_parser=tool_parser)
         track = self.metrics.track(chat)
         streams = ChoiceStreams(self.engine, choices)
         await streams.start()
@@ -290,12 +302,13 @@ class OpenAIIngress:
             raise bad_request("the prompt is empty", "prompt")
         return prompts
 
-    def _chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
+    def _chat_prompt(self, body: ChatCompletionRequest, tools: ToolPlan | None) -> list[int]:
         if not body.messages:
             raise bad_request("messages must not be empty", "messages")
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                  tokenize=False)
+        messages, template_tools = chat_messages(body.messages, tools,
+                                                 self.tokenizer.chat_template)
+        text = self.tokenizer.apply_chat_template(messages, tools=template_tools,
+                                                  add_generation_prompt=True, tokenize=False)
         return list(self.tokenizer.encode(str(text), add_special_tokens=False))
 
     def _token_text(self, token_id: int) -> str:

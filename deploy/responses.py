@@ -25,6 +25,8 @@ from .openai_schema import (
     TokenLogprob,
     UsageInfo,
 )
+from .tool_calls import ToolDeltas, tool_message
+from .tool_parsers import ToolParser
 
 Events = AsyncIterator[tuple[int, RequestOutput]]
 TokenText = Callable[[int], str]  # one token id as text
@@ -58,6 +60,7 @@ class ResponseHead:
     want_logprobs: bool
     token_text: TokenText
     created: int = field(default_factory=lambda: int(time.time()))
+    tool_parser: ToolParser | None = None  # chat with tools: calls parsed out of the text
 
 
 def usage_info(results: list[ChoiceResult], n: int) -> UsageInfo:
@@ -130,10 +133,13 @@ def completion_response(head: ResponseHead, results: list[ChoiceResult]) -> Comp
 
 
 def chat_response(head: ResponseHead, results: list[ChoiceResult]) -> ChatCompletionResponse:
-    choices = [ChatChoice(index=i, message=ChatResponseMessage(content=r.text),
-                          finish_reason=r.finish_reason,
-                          logprobs=_chat_logprobs(head, r.token_ids, r.logprobs, r.top_logprobs))
-               for i, r in enumerate(results)]
+    choices = []
+    for i, r in enumerate(results):
+        message, reason = ChatResponseMessage(content=r.text), r.finish_reason
+        if head.tool_parser is not None:
+            message, reason = tool_message(head.tool_parser, r.text, reason)
+        choices.append(ChatChoice(index=i, message=message, finish_reason=reason, logprobs=(
+            _chat_logprobs(head, r.token_ids, r.logprobs, r.top_logprobs))))
     return ChatCompletionResponse(id=head.id, created=head.created, model=head.model,
                                   choices=choices, usage=usage_info(results, head.n))
 
@@ -172,13 +178,19 @@ async def chat_sse(head: ResponseHead, events: Events, num_choices: int,
     for i in range(num_choices):
         yield chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))])
     results = [ChoiceResult() for _ in range(num_choices)]
+    tools = [ToolDeltas(head.tool_parser) for _ in range(num_choices)] if head.tool_parser else []
     async for i, out in events:
         results[i].add(out)
-        if not out.text and not out.finished and not head.want_logprobs:
+        content, calls = out.text, None
+        reason = out.finish_reason.value if out.finish_reason else None
+        if tools:
+            content, calls, reason = tools[i].feed(out.text, reason)
+        if not content and not calls and not out.finished and not head.want_logprobs:
             continue
         yield chunk([ChatChunkChoice(
-            index=i, delta=ChatDelta(content=out.text),
-            finish_reason=out.finish_reason.value if out.finish_reason else None,
+            index=i, delta=ChatDelta(content=content if content or not calls else None,
+                                     tool_calls=calls),
+            finish_reason=reason,
             logprobs=_chat_logprobs(head, list(out.new_token_ids), list(out.logprobs),
                                     list(out.top_logprobs)))])
     if include_usage:

@@ -175,3 +175,97 @@ def test_bad_grammars_are_refused_by_name(client: openai.OpenAI, extra: dict[str
     error = info.value.body
     assert isinstance(error, dict)
     assert error["param"] == param and words in error["message"], error
+
+
+# ------------------------------------------------------------------------------- tool calls
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "the weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
+                                                    "unit": {"enum": ["c", "f"]}},
+                   "required": ["city", "unit"]}}}
+CLOCK = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {
+        "zone": {"type": "integer", "minimum": -12, "maximum": 12}}, "required": ["zone"]}}}
+TOOLS = [WEATHER, CLOCK]
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}  # type: ignore[index]
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def _check_call(name: str, arguments: str) -> None:
+    jsonschema.validate(json.loads(arguments), SCHEMAS[name])
+
+
+def test_a_forced_call_streams_the_same_call(client: openai.OpenAI) -> None:
+    kwargs: dict[str, Any] = dict(model=MODEL_NAME, messages=ASK, tools=TOOLS, max_tokens=120,
+                                  temperature=1.0, seed=4, tool_choice={
+                                      "type": "function", "function": {"name": "get_weather"}})
+    reply = client.chat.completions.create(**kwargs).choices[0]
+    assert reply.finish_reason == "tool_calls" and reply.message.content is None
+    [call] = reply.message.tool_calls or []
+    assert call.function.name == "get_weather" and call.id.startswith("call_")
+    _check_call(call.function.name, call.function.arguments)
+    parts: dict[int, dict[str, str]] = {}
+    reasons = []
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        for c in chunk.choices:
+            reasons.append(c.finish_reason)
+            for d in c.delta.tool_calls or []:
+                part = parts.setdefault(d.index, {"name": "", "arguments": ""})
+                part["name"] += (d.function.name or "") if d.function else ""
+                part["arguments"] += (d.function.arguments or "") if d.function else ""
+    assert parts == {0: {"name": "get_weather", "arguments": call.function.arguments}}
+    assert reasons[-1] == "tool_calls"
+
+
+def test_required_calls_use_the_offered_tools(client: openai.OpenAI) -> None:
+    reply = client.chat.completions.create(
+        model=MODEL_NAME, messages=ASK, tools=TOOLS, tool_choice="required", n=4,
+        parallel_tool_calls=False, max_tokens=120, temperature=1.0, seed=9)
+    names = set()
+    for choice in reply.choices:
+        assert choice.finish_reason == "tool_calls"
+        [call] = choice.message.tool_calls or []
+        _check_call(call.function.name, call.function.arguments)
+        names.add(call.function.name)
+    assert names <= set(SCHEMAS)
+
+
+def test_auto_choice_and_a_tool_result_round_trip(client: openai.OpenAI) -> None:
+    bare = client.chat.completions.create(model=MODEL_NAME, messages=ASK, max_tokens=4,
+                                          tools=TOOLS, tool_choice="none")
+    offered = client.chat.completions.create(model=MODEL_NAME, messages=ASK, max_tokens=4,
+                                             tools=TOOLS)
+    assert bare.usage and offered.usage
+    assert offered.usage.prompt_tokens > bare.usage.prompt_tokens + 40  # the tools are shown
+    assert bare.choices[0].message.tool_calls is None
+    forced = client.chat.completions.create(
+        model=MODEL_NAME, messages=ASK, tools=TOOLS, max_tokens=120, temperature=0.0,
+        tool_choice={"type": "function", "function": {"name": "get_time"}}).choices[0].message
+    [call] = forced.tool_calls or []
+    history = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+               {"role": "tool", "tool_call_id": call.id, "content": '{"time": "12:00"}'}]
+    answer = client.chat.completions.create(model=MODEL_NAME, messages=history, tools=TOOLS,
+                                            tool_choice="auto", max_tokens=24, temperature=1.0)
+    assert answer.usage and answer.usage.prompt_tokens > offered.usage.prompt_tokens
+    choice = answer.choices[0]
+    assert choice.finish_reason in ("stop", "length", "tool_calls")
+    for c in choice.message.tool_calls or []:  # a call, once opened, follows its schema
+        if choice.finish_reason == "tool_calls":
+            _check_call(c.function.name, c.function.arguments)
+
+
+@pytest.mark.parametrize(("extra", "param"), [
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "objectx"}}}], "tool_choice": "required"}, "tools"),
+    ({"tools": TOOLS, "response_format": {"type": "json_object"}}, "response_format"),
+])
+def test_bad_tool_requests_are_refused_by_name(client: openai.OpenAI, extra: dict[str, Any],
+                                               param: str) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL_NAME, messages=ASK, max_tokens=8,
+                                       extra_body=extra)
+    error = info.value.body
+    assert isinstance(error, dict) and error["param"] == param, error
