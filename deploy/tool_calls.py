@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +43,7 @@ from .openai_schema import (
 from .tool_parsers import ParsedCall, StreamingToolParser, ToolParser
 
 _SEPARATORS = {"hermes": "\n", "llama3_json": "; "}
+TemplateTools = list[dict[Any, Any] | Callable[..., Any]]  # transformers' `tools` argument
 
 
 @dataclass(frozen=True)
@@ -106,7 +108,7 @@ def _tool_prompt(tools: list[Tool], parser: ToolParser) -> str:
 
 
 def chat_messages(messages: list[ChatMessage], plan: ToolPlan | None, template: str | None
-                  ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+                  ) -> tuple[list[dict[str, Any]], TemplateTools | None]:
     """(the messages for the chat template, the `tools` argument for it or None)."""
     native = plan is not None and template is not None and "tools" in template
     out: list[dict[str, Any]] = []
@@ -129,7 +131,8 @@ def chat_messages(messages: list[ChatMessage], plan: ToolPlan | None, template: 
     if plan is None:
         return out, None
     if native:
-        return out, [t.model_dump(exclude_none=True) for t in plan.tools]
+        tools: TemplateTools = [t.model_dump(exclude_none=True) for t in plan.tools]
+        return out, tools
     prompt = _tool_prompt(plan.tools, plan.parser)
     if out and out[0]["role"] == "system":
         out[0]["content"] = out[0]["content"] + "\n\n" + prompt

@@ -120,7 +120,8 @@ class Llama3JsonParser(ToolParser):
         if start < 0:
             return ParseResult(text.replace(self._PYTHON_TAG, "").strip(), [], True)
         content = text[:start].replace(self._PYTHON_TAG, "").strip()
-        calls, pos = [], start
+        calls: list[ParsedCall] = []
+        pos = start
         while pos < len(text):
             try:
                 obj, end = _DECODER.raw_decode(text, pos)

@@ -84,3 +84,33 @@ def test_the_parser_follows_the_chat_template() -> None:
     assert parser_for("auto", "<tool_call>").name == "hermes"
     assert parser_for("auto", None).name == "hermes"
     assert parser_for("mistral", "<tool_call>").name == "mistral"
+
+
+def test_tools_reach_the_template_or_the_system_message() -> None:
+    from raydix.deploy.openai_schema import ChatCompletionRequest
+    from raydix.deploy.tool_calls import chat_messages, plan_tools
+
+    tool = {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"zone": {"type": "integer"}}}}}
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_time", "arguments": '{"zone": 2}'}}
+    body = ChatCompletionRequest(model="m", tools=[tool], messages=[
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Time?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "12:00"}])
+    plan = plan_tools(body, HermesParser())
+    assert plan is not None and plan.grammar is not None
+    # a template that reads `tools` gets them, and the calls as structured messages
+    messages, tools = chat_messages(body.messages, plan, "{% for t in tools %}{% endfor %}")
+    assert tools == [tool] and messages[0]["content"] == "Be brief."
+    assert messages[2]["tool_calls"][0]["function"]["arguments"] == {"zone": 2}
+    assert messages[3]["tool_call_id"] == "call_1"
+    # one that does not: the system message shows them, and the call is written out
+    messages, tools = chat_messages(body.messages, plan, "{{ messages }}")
+    assert tools is None
+    assert messages[0]["content"].startswith("Be brief.") and "get_time" in messages[0]["content"]
+    assert HermesParser().parse(messages[2]["content"]).calls == [
+        ParsedCall("get_time", '{"zone": 2}')]
+    # tool_choice none: nothing offered
+    body = body.model_copy(update={"tool_choice": "none"})
+    assert plan_tools(body, HermesParser()) is None
