@@ -18,14 +18,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from xgrammar.structural_tag import (
-    JSONSchemaFormat,
-    StructuralTag,
-    TagFormat,
-    TagsWithSeparatorFormat,
-    TriggeredTagsFormat,
-)
-
 from raydix.workers.step import GrammarSpec
 
 from .errors import bad_request
@@ -57,7 +49,9 @@ def _parameters(tool: Tool) -> dict[str, Any]:
     return tool.function.parameters or {"type": "object", "properties": {}}
 
 
-def _tag(parser: ToolParser, tool: Tool) -> TagFormat:
+def _tag(parser: ToolParser, tool: Tool) -> Any:
+    from xgrammar.structural_tag import JSONSchemaFormat, TagFormat
+
     return TagFormat(begin=parser.begin(tool.function.name),
                      content=JSONSchemaFormat(json_schema=_parameters(tool), max_whitespace_cnt=1),
                      end=parser.end())
@@ -72,6 +66,12 @@ def plan_tools(body: ChatCompletionRequest, parser: ToolParser) -> ToolPlan | No
         return None
     if choice == "none":
         return None
+    from xgrammar.structural_tag import (  # xgrammar loads torch: only for requests with tools
+        StructuralTag,
+        TagsWithSeparatorFormat,
+        TriggeredTagsFormat,
+    )
+
     if body.response_format is not None and body.response_format.type != "text":
         raise bad_request("response_format can't be combined with tools (unless tool_choice "
                           "is none)", "response_format")
