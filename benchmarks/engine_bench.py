@@ -14,6 +14,10 @@ plotted to a PNG when matplotlib is installed.
 
     python benchmarks/engine_bench.py [--quick] [--threads N] [--workloads shared mixed]
                                       [--no-scaling] [--plot PNG] [--json out.json]
+
+With `--against REV` it instead runs one stream, a lone 512-token prompt, the shared-prefix and
+mixed workloads (smaller) and the KV pool size on this checkout and on REV, in the same run,
+and prints the ratios (benchmarks/_against.py).
 """
 
 from __future__ import annotations
@@ -212,7 +216,17 @@ def main() -> None:
     parser.add_argument("--no-scaling", action="store_true", help="skip throughput vs batch size")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads for both systems (1 is steadier on a busy machine)")
+    parser.add_argument("--against", metavar="REV", default=None,
+                        help="compare with a checkout of REV in the same run (ratios)")
+    parser.add_argument("--rounds", type=int, default=2, help="with --against: runs per side")
+    parser.add_argument("--bf16", action="store_true",
+                        help="with --against: also bf16 one stream against the new fp32")
     args = parser.parse_args()
+    if args.against:
+        from _against import WORKLOADS, compare
+
+        compare(args.against, args.rounds, args.threads or 2, list(WORKLOADS), args.bf16)
+        return
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"torch threads: {torch.get_num_threads()}")

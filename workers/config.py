@@ -184,6 +184,7 @@ class WorkerConfig:
     # both 0: no host tier
     hicache_ratio: float = 0.0
     hicache_size_gb: float = 0.0
+    cpu_compiled_attention: bool = True  # CPU: decode attention on the pages, compiled at start
 
     def __post_init__(self) -> None:
         if not 0 <= self.tp_rank < self.tp_size:

@@ -10,7 +10,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from .attention import AttentionBackend, ForwardBatch, make_backend
+from .attention import (
+    AttentionBackend,
+    ForwardBatch,
+    TorchAttentionBackend,
+    make_backend,
+    paged_decode,
+)
 from .config import ModelConfig, WorkerConfig
 from .device import resolve_device
 from .double_sparse import make_double_sparse
@@ -115,6 +121,10 @@ class ModelRunner:
                 config.attention_backend, self.kv_pool, self.req_to_token, heads.num_q_heads,
                 mc.head_dim, self.model.layer_attention(), mc.mla)
         self.host_pool = self._make_host_pool() if config.host_tier else None
+        if (isinstance(self.backend, TorchAttentionBackend) and self.device.type == "cpu"
+                and config.cpu_compiled_attention):
+            self.backend.paged_kernel = paged_decode.warm_up(
+                heads.num_kv_heads, mc.head_dim, mc.num_heads // mc.num_kv_heads, dtype)
         self.sampler = Sampler(self.device)
         self.penalties = PenaltyTracker(mc.vocab_size, self.device)  # driving rank only
         self.sampling_table = SamplingTable()  # driving rank only

@@ -26,6 +26,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from ..kv_pool import KVPool
 from .base import AttentionBackend, ForwardBatch, LayerAttention
 from .cascade import CascadeBatch, cascade_attention, find_groups
+from .paged_decode import Kernel
 
 SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
@@ -42,6 +43,8 @@ class _ExtendEntry:
 @dataclass
 class _DecodeGroup:
     token_idx: torch.Tensor  # [Bd] packed index of each decode token
+    slots: torch.Tensor  # [Bd, max_len] int64, each request's slots (past its length: unused)
+    lens: torch.Tensor  # [Bd] int64
     rows: torch.Tensor  # [Bd * Hk * max_len] pool rows (slot * Hk + head)
     max_len: int
     padding: torch.Tensor  # [Bd, 1, 1, max_len] bool, True = past the request's length
@@ -65,6 +68,9 @@ class TorchAttentionBackend(AttentionBackend):
         self._extends: list[_ExtendEntry] = []
         self._cascade: CascadeBatch | None = None
         self._cascade_token_idx: torch.Tensor | None = None
+        # decode attention of plain layers on the pages in place (paged_decode.py); None: the
+        # keys and values are copied into dense tensors
+        self.paged_kernel: Kernel | None = None
 
     def prepare(self, batch: ForwardBatch) -> None:
         self._out_cache_loc = batch.out_cache_loc
@@ -85,7 +91,7 @@ class TorchAttentionBackend(AttentionBackend):
             windowed = {w: (padding | (cols < lens[:, None] - w))[:, None, None, :]
                         for w in self._windows}
             self._decodes.append(_DecodeGroup(
-                torch.from_numpy(starts[part]).to(self.device),
+                torch.from_numpy(starts[part]).to(self.device), slots, lens,
                 self._pool_rows(slots[:, None, :]).reshape(-1), max_len,
                 padding[:, None, None, :], windowed))
         self._extends = []
@@ -159,13 +165,18 @@ class TorchAttentionBackend(AttentionBackend):
                           d: _DecodeGroup, padding: torch.Tensor,
                           attn: LayerAttention) -> torch.Tensor:
         """One query per request: the query heads that share a KV head become rows of one
-        matmul against that head's keys (no KV expansion; faster than SDPA here on CPU)."""
+        matmul against that head's keys (no KV expansion; faster than SDPA here on CPU). Plain
+        layers read the pages in place when the compiled kernel runs (paged_decode.py); the
+        others, or without it, go through dense copies of the keys and values."""
         num_req, num_q_heads, head_dim = q.shape
         num_kv_heads = self.num_kv_heads
+        qg = q.view(num_req, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
+        if self.paged_kernel is not None and attn.is_plain(head_dim):
+            out = self.paged_kernel(qg, k_buf, v_buf, d.slots, d.lens)
+            return out.view(num_req, num_q_heads, head_dim)
         shape = (num_req, num_kv_heads, d.max_len, head_dim)
         k = _gather(k_buf, d.rows).view(shape).to(q.dtype)  # [Bd, Hk, L, D]
         v = _gather(v_buf, d.rows).view(shape).to(q.dtype)
-        qg = q.view(num_req, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
         scores = torch.matmul(qg, k.transpose(-1, -2)) * attn.softmax_scale(head_dim)
         scores = _soft_cap(scores.float(), attn.logit_softcap)  # [Bd, Hk, G, L]
         scores = scores.masked_fill_(padding, float("-inf"))

@@ -1,0 +1,172 @@
+"""`engine_bench.py --against REV`: the same workloads on this checkout and on a second checkout
+of REV, in the same run, alternating, each in a fresh process; prints new/REV ratios.
+
+REV is checked out with `git worktree add --detach` under the system temp folder (kept for the
+next run), and imported through a folder of links that maps `raydix.<x>` onto its `<x>/` folders,
+so the same venv runs both. Workloads (random token ids, the default model, CPU):
+
+- one stream: a 128-token prompt, 128 new tokens (output tokens/s);
+- lone prompt: TTFT of one 512-token prompt (seconds, lower is better);
+- shared prefix: 4x4 prompts of a 512-token group prefix + 64, 32 new tokens each, cache on;
+- mixed: 16 prompts of 32-512 tokens, 16-128 new tokens each;
+- KV tokens: the pool the default 2 GiB CPU budget leaves for the KV cache.
+
+    python benchmarks/engine_bench.py --against 69dc4c0 [--rounds 2] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+SUBPACKAGES = ("cache", "workers", "cluster", "router", "deploy")
+WORKLOADS = ("one stream", "lone prompt", "shared prefix", "mixed", "KV tokens")
+LOWER_IS_BETTER = {"lone prompt"}
+
+
+def checkout(rev: str) -> Path:
+    """A worktree of `rev` (reused when it exists), and a folder whose `raydix` package maps
+    onto it; returns that folder, for PYTHONPATH."""
+    sha = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", rev], check=True,
+                         capture_output=True, text=True).stdout.strip()
+    base = Path(tempfile.gettempdir()) / f"raydix-against-{sha}"
+    tree = base / "tree"
+    if not tree.is_dir():
+        subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(tree), sha],
+                       check=True, capture_output=True)
+    pkg = base / "path" / "raydix"
+    if not pkg.is_dir():
+        pkg.mkdir(parents=True)
+        (pkg / "__init__.py").symlink_to(tree / "raydix" / "__init__.py")
+        for sub in SUBPACKAGES:
+            (pkg / sub).symlink_to(tree / sub)
+    return base / "path"
+
+
+def run_side(path: Path | None, workload: str, threads: int, dtype: str) -> float:
+    """One workload in a fresh process, importing raydix from `path` (None: this checkout)."""
+    env = dict(os.environ)
+    if path is not None:
+        env["PYTHONPATH"] = f"{path}{os.pathsep}{env.get('PYTHONPATH', '')}"
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        subprocess.run([sys.executable, __file__, "--child", workload, "--threads", str(threads),
+                        "--dtype", dtype, "--out", out.name], check=True, env=env,
+                       cwd=tempfile.gettempdir())
+        return float(json.loads(Path(out.name).read_text())["value"])
+
+
+def compare(rev: str, rounds: int, threads: int, workloads: list[str], bf16: bool) -> None:
+    path = checkout(rev)
+    print(f"new: {REPO} (HEAD)   baseline: {rev} at {path.parent / 'tree'}   torch threads "
+          f"{threads}, {rounds} rounds alternating, each run in a fresh process")
+    for workload in workloads:
+        sides: dict[str, list[float]] = {"base": [], "new": []}
+        for _ in range(rounds):  # alternate, so that a busy spell hits both sides
+            sides["base"].append(run_side(path, workload, threads, "float32"))
+            sides["new"].append(run_side(None, workload, threads, "float32"))
+        _print_row(workload, sides)
+    if bf16:
+        sides = {"base": [], "new": []}  # base: the new fp32; new: the new bf16
+        for _ in range(rounds):
+            sides["base"].append(run_side(None, "one stream", threads, "float32"))
+            sides["new"].append(run_side(None, "one stream", threads, "bfloat16"))
+        _print_row("one stream bf16 / new fp32", sides)
+
+
+def _print_row(name: str, sides: dict[str, list[float]]) -> None:
+    base, new = np.array(sides["base"]), np.array(sides["new"])
+    ratios = new / base  # for a time (LOWER_IS_BETTER) below 1 is better
+    unit = "s" if name in LOWER_IS_BETTER else ("tokens" if name == "KV tokens" else "tok/s")
+    print(f"  {name:28} base {_fmt(base)} {unit:6} new {_fmt(new)} {unit:6} "
+          f"new/base {ratios.min():.2f}-{ratios.max():.2f}x", flush=True)
+
+
+def _fmt(values: np.ndarray) -> str:
+    return "/".join(f"{v:.4g}" for v in values)
+
+
+# ---- the child: one workload, in-process -------------------------------------------------
+
+
+def _child(workload: str, threads: int, dtype: str) -> float:
+    import torch
+
+    from raydix.cluster.config import EngineConfig, SchedulerConfig
+    from raydix.cluster.engine import Engine
+    from raydix.cluster.request import GenerationParams
+    from raydix.workers.config import WorkerConfig
+    from raydix.workers.gguf_convert import default_model_folder
+
+    torch.set_num_threads(threads)
+    folder = default_model_folder()
+    if workload == "KV tokens":
+        from raydix.workers.runner import ModelRunner
+        return ModelRunner(WorkerConfig(model_path=str(folder), dtype=dtype)).max_num_tokens
+    vocab = int(json.loads((folder / "config.json").read_text())["vocab_size"])
+    rng = np.random.default_rng(0)
+    if workload == "one stream":
+        prompts, outputs = [rng.integers(100, vocab, size=128).tolist()], [128]
+    elif workload == "lone prompt":
+        prompts, outputs = [rng.integers(100, vocab, size=512).tolist()], [1]
+    elif workload == "shared prefix":
+        prompts = []
+        for _ in range(4):
+            prefix = rng.integers(100, vocab, size=512).tolist()
+            prompts += [prefix + rng.integers(100, vocab, size=64).tolist() for _ in range(4)]
+        prompts = [prompts[i] for i in rng.permutation(len(prompts))]
+        outputs = [32] * len(prompts)
+    elif workload == "mixed":
+        prompts = [rng.integers(100, vocab, size=int(rng.integers(32, 513))).tolist()
+                   for _ in range(16)]
+        outputs = [int(rng.integers(16, 129)) for _ in range(16)]
+    else:
+        raise ValueError(workload)
+    worker = WorkerConfig(model_path=str(folder), dtype=dtype, max_total_tokens=40_000,
+                          cpu_memory_budget_bytes=8 << 30)
+    sched = SchedulerConfig(max_running_requests=64, max_context_len=2048,
+                            enable_prefix_cache=True)
+    engine = Engine(EngineConfig.build(worker, sched))
+    warm = engine.add_request(rng.integers(100, vocab, size=16).tolist(),
+                              GenerationParams(max_new_tokens=2, ignore_eos=True))
+    while engine.has_work:  # first-call costs (oneDNN primitives) out of the timing
+        engine.step()
+    del warm
+    start = time.perf_counter()
+    first = None
+    num_tokens = 0
+    for p, n in zip(prompts, outputs, strict=True):
+        engine.add_request(p, GenerationParams(max_new_tokens=n, ignore_eos=True))
+    while engine.has_work:
+        for out in engine.step():
+            num_tokens += len(out.new_token_ids)
+            if first is None and out.new_token_ids:
+                first = time.perf_counter() - start
+    seconds = time.perf_counter() - start
+    if workload == "lone prompt":
+        assert first is not None
+        return first
+    return num_tokens / seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--child", choices=WORKLOADS, required=True)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    value = _child(args.child, args.threads, args.dtype)
+    Path(args.out).write_text(json.dumps({"value": value}))
+
+
+if __name__ == "__main__":
+    main()
