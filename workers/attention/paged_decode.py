@@ -54,7 +54,7 @@ _failed = False
 def _compile() -> Kernel:
     dynamo_config = torch._dynamo.config
     dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, RECOMPILE_LIMIT)
-    return torch.compile(paged_decode_reference, dynamic=True, fullgraph=True)  # type: ignore[return-value]
+    return torch.compile(paged_decode_reference, dynamic=True, fullgraph=True)
 
 
 def warm_up(num_kv_heads: int, head_dim: int, group: int, dtype: torch.dtype) -> Kernel | None:
