@@ -3,9 +3,10 @@
 Only the loop thread touches the engine. Callers on the event loop hand it commands (add a
 request, abort one, run a function) through a locked list; the thread applies them between
 steps, runs ``engine.step()`` while there is work and sleeps on a condition otherwise. Each
-request's outputs travel back through its own ``asyncio.Queue``, filled with
-``loop.call_soon_threadsafe`` once per step and request, as token ids: the request's output
-processor turns them into text and checks stop strings on the caller's event loop, off the step
+request's outputs travel back through its own ``asyncio.Queue``, as token ids; the loop thread
+fills the queues with one ``loop.call_soon_threadsafe`` per step for all the requests of a
+caller's event loop, and a caller that fell behind takes the steps it missed as one chunk (no
+timer: the first token goes at once). The request's output processor turns them into text and checks stop strings on the caller's event loop, off the step
 thread, and aborts the request in the engine when a stop string ends it.
 
 Admission is bounded: at most ``max_running_requests + max_waiting_requests`` requests are in
@@ -27,7 +28,7 @@ import logging
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import TypeVar, cast
+from typing import NamedTuple, TypeVar, cast
 
 from .engine import Engine
 from .metrics import EngineMetrics
@@ -36,7 +37,14 @@ from .request import GenerationParams, RequestOutput
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-_Sink = Callable[[list[RequestOutput] | BaseException], None]
+_Item = list[RequestOutput] | BaseException
+
+
+class _Sink(NamedTuple):
+    """Where one request's outputs go: its caller's queue, on the caller's event loop."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[_Item]
 
 
 class EngineOverloadedError(RuntimeError):
@@ -111,26 +119,32 @@ class AsyncEngine:
         if self.num_in_flight >= self.max_in_flight:
             raise EngineOverloadedError(self.num_in_flight, self.retry_after_s)
         loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[list[RequestOutput] | BaseException] = asyncio.Queue()
-
-        def sink(item: list[RequestOutput] | BaseException) -> None:
-            loop.call_soon_threadsafe(queue.put_nowait, item)
-
+        queue: asyncio.Queue[_Item] = asyncio.Queue()
         prompt = list(prompt_ids)
         processor = self.engine.output_processor(prompt, params)
         self.num_in_flight += 1
         finished = False  # the engine ended the request: nothing to abort
         try:
-            self._send(_Add(rid, prompt, params, sink))
+            self._send(_Add(rid, prompt, params, _Sink(loop, queue)))
             while not processor.finished:
                 item = await queue.get()
+                error = None
+                while not isinstance(item, BaseException) and not queue.empty():
+                    # outputs of steps that ran while the last chunk was on its way: one chunk
+                    more = queue.get_nowait()
+                    if isinstance(more, BaseException):
+                        error = more
+                        break
+                    item = item + more
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
-                finished = any(out.finished for out in item)
+                finished = error is not None or any(out.finished for out in item)
                 outputs = [o for out in item if (o := processor.process(out)) is not None]
                 if outputs:
                     yield outputs
+                if error is not None:
+                    raise error
         finally:
             self.num_in_flight -= 1
             if not finished:  # left early, or a stop string ended it before the engine did
@@ -244,21 +258,32 @@ class AsyncEngine:
                 command.future.set_exception(e)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        """Hand a step's outputs to their callers: one wake-up of each caller's event loop per
+        step, however many requests it streams."""
         by_rid: dict[str, list[RequestOutput]] = {}
         for out in outputs:
             by_rid.setdefault(out.rid, []).append(out)
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[_Item], _Item]]] = {}
         for rid, outs in by_rid.items():
             sink = self._sinks.get(rid)
             if sink is None:
                 continue  # aborted meanwhile
             if any(out.finished for out in outs):
                 del self._sinks[rid]
-            _deliver(sink, outs)
+            by_loop.setdefault(sink.loop, []).append((sink.queue, outs))
+        for loop, items in by_loop.items():
+            with contextlib.suppress(RuntimeError):  # the caller's loop is closed: nobody waits
+                loop.call_soon_threadsafe(_put_all, items)
 
 
-def _deliver(sink: _Sink, item: list[RequestOutput] | BaseException) -> None:
+def _put_all(items: list[tuple[asyncio.Queue[_Item], _Item]]) -> None:
+    for queue, item in items:
+        queue.put_nowait(item)
+
+
+def _deliver(sink: _Sink, item: _Item) -> None:
     with contextlib.suppress(RuntimeError):  # the caller's event loop is closed: nobody waits
-        sink(item)
+        sink.loop.call_soon_threadsafe(sink.queue.put_nowait, item)
 
 
 def _fail(command: _Add | _Abort | _Call, error: EngineDeadError) -> None:

@@ -1,0 +1,72 @@
+"""The token stream from the engine's loop thread: one wake-up of the caller's event loop per
+step for all its requests, and a caller that falls behind gets the steps it missed as one
+chunk, with nothing lost or reordered and no timer holding the first token."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from raydix.cluster.async_engine import AsyncEngine
+from raydix.cluster.request import GenerationParams, RequestOutput
+
+from .test_async_engine import PROMPTS, make_engine
+
+PARAMS = GenerationParams(max_new_tokens=40, ignore_eos=True)
+
+
+def test_a_slow_reader_gets_the_missed_steps_as_one_chunk(tiny_llama: Path) -> None:
+    engine = AsyncEngine(make_engine(tiny_llama))
+
+    async def read(rid: str, prompt: list[int], delay_s: float) -> list[list[RequestOutput]]:
+        chunks = []
+        async for outputs in engine.generate(prompt, PARAMS, rid):
+            chunks.append(outputs)
+            await asyncio.sleep(delay_s)  # a slow client: steps pile up meanwhile
+        return chunks
+
+    async def run() -> tuple[list[list[RequestOutput]], list[list[RequestOutput]]]:
+        fast, slow = await asyncio.gather(read("fast", PROMPTS[0], 0.0),
+                                          read("slow", PROMPTS[1], 0.05))
+        return fast, slow
+
+    try:
+        fast, slow = asyncio.run(run())
+    finally:
+        engine.shutdown()
+    expected = make_engine(tiny_llama).generate(PROMPTS[:2], PARAMS)
+    for chunks, tokens in ((fast, expected[0]), (slow, expected[1])):
+        assert [t for c in chunks for out in c for t in out.new_token_ids] == tokens
+        assert chunks[-1][-1].finished and not any(o.finished for c in chunks[:-1] for o in c)
+    assert sum(len(out.new_token_ids) for out in slow[0]) == 1  # the first token at once
+    assert len(slow) < len(fast) / 2  # the slow reader's chunks carried several steps
+
+
+def test_one_wake_up_per_step_for_all_streams(tiny_llama: Path) -> None:
+    engine = AsyncEngine(make_engine(tiny_llama))
+    wake_ups = 0
+
+    async def run() -> int:
+        nonlocal wake_ups
+        loop = asyncio.get_running_loop()
+        call = loop.call_soon_threadsafe
+
+        def counted(*args: object) -> object:
+            nonlocal wake_ups
+            wake_ups += 1
+            return call(*args)  # type: ignore[arg-type]
+
+        loop.call_soon_threadsafe = counted  # type: ignore[method-assign]
+
+        async def drain(rid: str, prompt: list[int]) -> None:
+            async for _ in engine.generate(prompt, PARAMS, rid):
+                pass
+
+        await asyncio.gather(*(drain(f"r{i}", p) for i, p in enumerate(PROMPTS)))
+        return engine.engine.num_steps
+
+    try:
+        num_steps = asyncio.run(run())
+    finally:
+        engine.shutdown()
+    assert wake_ups <= num_steps  # not one per request and step (4 streams here)
