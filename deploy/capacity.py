@@ -9,10 +9,12 @@ bounded by the start-up timeout). Node sizes count, not what is free: busy nodes
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 
 import ray
 
+logger = logging.getLogger(__name__)
 
 def replica_resources(tp_size: int, use_gpu_bundles: bool,
                       cpu_threads: int | None) -> dict[str, float]:
@@ -49,9 +51,13 @@ def num_replicas_that_fit(per_replica: dict[str, float]) -> int:
 def check_replicas_fit(num_replicas: int, per_replica: dict[str, float]) -> None:
     """Raise a one-line ValueError when the cluster can't hold `num_replicas` replicas."""
     fit = num_replicas_that_fit(per_replica)
-    if fit >= num_replicas or has_autoscaler():
+    if fit >= num_replicas:
         return
     need = ", ".join(f"{v:g} {k}" for k, v in per_replica.items())
+    if has_autoscaler():
+        logger.warning("the cluster holds %d of %d replicas (%s each); waiting for the "
+                       "autoscaler to add nodes", fit, num_replicas, need)
+        return
     totals = ray.cluster_resources()
     have = ", ".join(f"{totals.get(k, 0.0):g} {k}" for k in per_replica)
     hint = "--cpu-threads" if set(per_replica) == {"CPU"} else "--tp"
