@@ -93,11 +93,12 @@ def in_process(config: AppConfig, model_path: str, device: str, streams: list[in
                     tokenizer=AutoTokenizer.from_pretrained(model_path))
     vocab = _vocab(model_path)
     best: dict[int, Stats] = {}
-    for n_threads in threads if device == "cpu" else [torch.get_num_threads()]:
+    for i, n_threads in enumerate(threads if device == "cpu" else [torch.get_num_threads()]):
         torch.set_num_threads(n_threads)
         run_engine(engine, prompts_for(2, prompt_len, vocab, seed=99), 8)  # warm-up
-        for n in streams:
-            stats = run_engine(engine, prompts_for(n, prompt_len, vocab, seed=n), output_len)
+        for n in streams:  # prompts new to this engine's prefix cache on every pass
+            prompts = prompts_for(n, prompt_len, vocab, seed=1000 * i + n)
+            stats = run_engine(engine, prompts, output_len)
             print(f"  in-process, {n_threads} thread(s), {n:3d} streams: "
                   f"{stats.throughput:8.1f} tok/s, TTFT {stats.ttft_s * 1e3:8.1f} ms, "
                   f"TPOT {stats.tpot_s * 1e3:6.1f} ms", flush=True)

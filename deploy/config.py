@@ -191,8 +191,8 @@ class AppConfig(BaseModel):
     )
     cpu_threads: int | None = Field(
         None, ge=1, description="on CPU with tp 1: threads of each engine replica, which reserves "
-        "as many Ray CPUs; default: the cores minus one when that leaves two, else all of them, "
-        "shared among the replicas"
+        "as many Ray CPUs; default: the cores minus one when that leaves two, else one, shared "
+        "among the replicas"
     )
     debug_cache_audit: bool = Field(
         False, description="debug: audit each replica's KV cache in stats calls made while it is "

@@ -17,7 +17,9 @@ import os
 
 logger = logging.getLogger(__name__)
 
-THREADS_ON_SMALL_MACHINES = 2  # cores <= 2: measured faster than 1 (README)
+# cores <= 2: two threads were not faster than one through `raydix serve` on 2 cores (README,
+# "Serving speed"): the proxy, the ingress and Ray's own processes want the other core
+THREADS_ON_SMALL_MACHINES = 1
 
 
 def default_cpu_threads(num_cores: int) -> int:
