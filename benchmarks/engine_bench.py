@@ -221,11 +221,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="with --against: runs per side")
     parser.add_argument("--bf16", action="store_true",
                         help="with --against: also bf16 one stream against the new fp32")
+    parser.add_argument("--against-workloads", nargs="+", default=None,
+                        help="with --against: a subset of the workloads (default: all)")
     args = parser.parse_args()
     if args.against:
         from _against import WORKLOADS, compare
 
-        compare(args.against, args.rounds, args.threads or 2, list(WORKLOADS), args.bf16)
+        compare(args.against, args.rounds, args.threads or 2,
+                args.against_workloads or list(WORKLOADS), args.bf16)
         return
     if args.threads:
         torch.set_num_threads(args.threads)
