@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -45,7 +46,7 @@ class ScheduledBatch:
         return sum(
             1
             for n, req in zip(self.extend_lens, self.requests, strict=True)
-            if n == 1 and req.output_ids
+            if n == 1 and req.num_output_tokens
         )
 
     def to_plan(self, diff: TableDiff, copies: KVCopies | None = None) -> StepPlan:
@@ -81,5 +82,12 @@ class ScheduledBatch:
         if copies is not None:
             d2h = SlotCopy(copies.write_device_slots, copies.write_host_slots)
             h2d = SlotCopy(copies.load_host_slots, copies.load_device_slots)
-        return StepPlan.build(self.step_id, scheduled, writes, diff.freed_rows, penalty_starts,
+        plan = StepPlan.build(self.step_id, scheduled, writes, diff.freed_rows, penalty_starts,
                               grammar_starts, device_to_host=d2h, host_to_device=h2d)
+        pending_steps = {req.pending[0] for req in self.requests if req.pending is not None}
+        if not pending_steps:
+            return plan
+        if len(pending_steps) > 1:
+            raise RuntimeError(f"step {self.step_id} would take the tokens of steps "
+                               f"{sorted(pending_steps)}; only the step in flight has any")
+        return dataclasses.replace(plan, tokens_from_step=pending_steps.pop())

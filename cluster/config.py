@@ -29,6 +29,7 @@ class SchedulerConfig:
     in_batch_prefix_threshold: int = 32  # 0: off; see cluster/admission.py
     # the host KV tier's write policy (cache/hiradix.py), when the ranks have a host pool
     hicache_write_policy: str = "write_through_selective"
+    overlap_schedule: bool = False  # form step N+1 while step N runs (engine.py)
 
     def __post_init__(self) -> None:
         if self.schedule_policy not in SCHEDULE_POLICIES:

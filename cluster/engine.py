@@ -24,9 +24,10 @@ import numpy.typing as npt
 from raydix.cache import EventSink
 from raydix.workers.config import ModelConfig
 
+from .batch import ScheduledBatch
 from .config import EngineConfig
 from .detokenizer import TokenDecoder
-from .executor import Executor, LocalExecutor, RankLocation
+from .executor import Executor, LocalExecutor, RankLocation, StepHandle
 from .metrics import EngineMetrics
 from .output_processor import RequestOutputProcessor
 from .request import GenerationParams, Request, RequestOutput
@@ -71,6 +72,7 @@ class Engine:
         self.forward_time = 0.0
         self.step_hook: StepHook | None = None  # called after every step (tests, metrics)
         self._processors: dict[str, RequestOutputProcessor] = {}
+        self._in_flight: tuple[ScheduledBatch, StepHandle] | None = None  # overlapped loop
         logger.info(
             "engine ready: %d KV slots in %d pages of %d",
             num_pages * config.scheduler.page_size,
@@ -112,7 +114,7 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or self._in_flight is not None
 
     # ------------------------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:
@@ -122,6 +124,8 @@ class Engine:
 
     def step_core(self) -> list[RequestOutput]:
         """One step of the scheduler and the ranks: token ids, no text."""
+        if self.config.scheduler.overlap_schedule:
+            return self._step_overlapped()
         scheduled = self.scheduler.schedule()
         outputs = self.scheduler.take_early_outputs()
         if scheduled is None:
@@ -150,6 +154,47 @@ class Engine:
                 if processor.stopped_early:  # a stop string: the core still runs it
                     self.scheduler.abort(out.rid)
         return processed
+
+    def _step_overlapped(self) -> list[RequestOutput]:
+        """Form and launch step N+1 while step N runs, then read step N's tokens.
+
+        Step N+1's decode inputs that step N samples are placeholders, which the driving rank
+        fills in (`workers/step.py`); a request that step N ends computes one token too many
+        in N+1, which is dropped. When the pool is short, step N is read first, so that no
+        retraction is decided on tokens not read yet.
+        """
+        outputs: list[RequestOutput] = []
+        if self._in_flight is not None and not self.scheduler.can_schedule_ahead():
+            outputs += self._read_in_flight()
+        scheduled = self.scheduler.schedule()
+        outputs += self.scheduler.take_early_outputs()
+        launched = None
+        if scheduled is not None:
+            start = time.perf_counter()
+            launched = (scheduled[0], self.executor.launch(scheduled[1]))
+            self.forward_time += time.perf_counter() - start
+        if self._in_flight is not None:
+            outputs += self._read_in_flight()
+        if launched is not None:
+            self.scheduler.commit(launched[0])
+            self._in_flight = launched
+        if self.step_hook is not None:
+            self.step_hook(self.scheduler)
+        return outputs
+
+    def drain(self) -> list[RequestOutput]:
+        """Wait for the step in flight (overlapped loop) and read it; nothing runs after."""
+        outputs = self._read_in_flight() if self._in_flight is not None else []
+        return self._process_outputs(outputs) if self._processors else outputs
+
+    def _read_in_flight(self) -> list[RequestOutput]:
+        assert self._in_flight is not None
+        batch, handle = self._in_flight
+        self._in_flight = None
+        start = time.perf_counter()
+        result = handle.result()
+        self.forward_time += time.perf_counter() - start
+        return self.scheduler.read(batch, result)
 
     def generate(
         self,

@@ -7,6 +7,7 @@ executor's own type.
 
 from __future__ import annotations
 
+import concurrent.futures
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from raydix.workers.step import GrammarSpec, StepPlan, StepResult
@@ -36,6 +37,12 @@ class UnhealthyRanksError(RuntimeError):
         self.permanent = permanent
 
 
+class StepHandle(Protocol):
+    """A launched step; `result` waits for it (and raises what the step raised)."""
+
+    def result(self) -> StepResult: ...
+
+
 class Executor(Protocol):
     @property
     def max_num_tokens(self) -> int:
@@ -48,6 +55,11 @@ class Executor(Protocol):
         ...
 
     def step(self, plan: StepPlan) -> StepResult: ...
+
+    def launch(self, plan: StepPlan) -> StepHandle:
+        """Start a step and return at once (the overlapped loop forms the next step meanwhile).
+        Launched steps run one at a time, in launch order."""
+        ...
 
     def ranks(self) -> tuple[RankLocation, ...]:
         """Every rank, in rank order."""
@@ -81,6 +93,9 @@ class LocalExecutor:
         from raydix.workers.worker import TPWorker  # the model stack loads with the rank only
 
         self.worker = TPWorker(config.rank_config(0))
+        # the rank's own thread for launched steps; torch releases the GIL in its kernels, so
+        # the engine forms the next step while this one computes
+        self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="raydix-rank0")
 
     @property
     def max_num_tokens(self) -> int:
@@ -92,6 +107,9 @@ class LocalExecutor:
 
     def step(self, plan: StepPlan) -> StepResult:
         return self.worker.step(plan)
+
+    def launch(self, plan: StepPlan) -> StepHandle:
+        return self._thread.submit(self.worker.step, plan)
 
     def ranks(self) -> tuple[RankLocation, ...]:
         return (RankLocation(0, None, None),)
@@ -106,7 +124,7 @@ class LocalExecutor:
         self.worker.prepare_grammar(spec)
 
     def shutdown(self) -> None:
-        return None
+        self._thread.shutdown(wait=True)
 
 
 def make_executor(

@@ -9,6 +9,14 @@ Token layout of a request, as the scheduler sees it::
 A new request has ``kv_len = cached_len`` (its prefix hit). An extend step computes a chunk of
 ``fill_ids[kv_len:]``; once ``kv_len == len(fill_ids) - 1`` is passed the sampled token is
 appended to ``output_ids`` and the request decodes one token per step.
+
+With the overlapped step loop, a step's sampled token is *pending* from the moment the step is
+committed until its result is read one step later: the request then counts one output token
+more than ``output_ids`` holds, and its next input is a placeholder (``PENDING``) that the
+driving rank replaces with the token it sampled (``workers/step.py``)::
+
+    0                 kv_len == len(fill_ids)   fill_len == kv_len + 1
+    |-- K/V in the pool --|-- pending token (sampled, not read yet) --|
 """
 
 from __future__ import annotations
@@ -22,7 +30,7 @@ from typing import NamedTuple
 import numpy as np
 import numpy.typing as npt
 
-from raydix.workers.step import GREEDY, SamplingParams
+from raydix.workers.step import GREEDY, SamplingParams, pending_token
 
 
 class FinishReason(str, enum.Enum):
@@ -105,10 +113,18 @@ class Request:
     early_sampling: SamplingParams | None = None
     # the sampling its request row last sent to the ranks (None: no row, or not sent yet)
     sent_sampling: SamplingParams | None = None
+    # (step id, index in that step) of the sampled token not read yet; None: nothing pending
+    pending: tuple[int, int] | None = None
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Output tokens sampled so far, the pending one included."""
+        return len(self.output_ids) + (self.pending is not None)
 
     def sampling_now(self) -> SamplingParams:
         """The sampling of this request's next token."""
-        if self.early_sampling is not None and len(self.output_ids) < self.params.min_new_tokens:
+        if (self.early_sampling is not None
+                and self.num_output_tokens < self.params.min_new_tokens):
             return self.early_sampling
         return self.params.sampling
 
@@ -119,7 +135,17 @@ class Request:
         return np.concatenate((self.prompt_ids, np.asarray(self.output_ids, dtype=np.int32)))
 
     def token_slice(self, start: int, end: int) -> npt.NDArray[np.int32]:
-        """``fill_ids[start:end]`` without building the whole of ``fill_ids``."""
+        """``fill_ids[start:end]`` without building the whole of ``fill_ids``; a pending token
+        reads as its placeholder."""
+        known = len(self.prompt_ids) + len(self.output_ids)
+        if self.pending is not None and end > known:
+            if end != known + 1:
+                raise ValueError(f"request {self.rid}: positions past its pending token")
+            head = self._known_slice(start, known) if start < known else np.zeros(0, np.int32)
+            return np.concatenate((head, [pending_token(self.pending[1])])).astype(np.int32)
+        return self._known_slice(start, end)
+
+    def _known_slice(self, start: int, end: int) -> npt.NDArray[np.int32]:
         prompt_len = len(self.prompt_ids)
         if end <= prompt_len:
             return self.prompt_ids[start:end]
@@ -131,11 +157,12 @@ class Request:
 
     @property
     def fill_len(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+        """Tokens of the request so far, the pending one included."""
+        return len(self.prompt_ids) + self.num_output_tokens
 
     @property
     def remaining_new_tokens(self) -> int:
-        return self.params.max_new_tokens - len(self.output_ids)
+        return self.params.max_new_tokens - self.num_output_tokens
 
     def usage(self) -> Usage:
         return Usage(len(self.prompt_ids), self.cached_tokens, len(self.output_ids))

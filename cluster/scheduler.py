@@ -95,6 +95,7 @@ class Scheduler:
         else:
             self._release(req, cache=True)
             self.running.remove(req)
+        req.pending = None  # a token still in flight is dropped
         return self._finish(req, FinishReason.ABORT)
 
     @property
@@ -109,7 +110,8 @@ class Scheduler:
         """Form the next step, or None when there is nothing to run."""
         self._step_id += 1
         batch = ScheduledBatch(self._step_id)
-        decoding = [r for r in self.running if r.fill_len - r.kv_len == 1]
+        decoding = [r for r in self.running
+                    if r.fill_len - r.kv_len == 1 and not self._ends_by_length(r)]
         prefilling = [r for r in self.running if r.fill_len - r.kv_len > 1]
         if self.config.enable_mixed_batch:
             if decoding:
@@ -121,9 +123,10 @@ class Scheduler:
                 self._schedule_decode(batch, decoding)
         self._retracted_now = set()
         if not batch.requests:
-            if self.running:
+            stuck = [r for r in self.running if not self._ends_by_length(r)]
+            if stuck:
                 # running prompts hold memory but none can take its next chunk: make room
-                self._retract(self.running[-1])
+                self._retract(stuck[-1])
             if not self.cache.has_table_diff and not self.cache.has_copies:
                 return None
         plan = batch.to_plan(self.cache.drain_table_diff(), self.cache.drain_copies())
@@ -156,7 +159,7 @@ class Scheduler:
     def _schedule_decode(self, batch: ScheduledBatch, decoding: list[Request]) -> None:
         """One slot per decoding request; retract the least advanced while the pool is short."""
         # least advanced last: fewest output tokens, then the longest prompt
-        decoding.sort(key=lambda r: (len(r.output_ids), -len(r.prompt_ids)), reverse=True)
+        decoding.sort(key=lambda r: (r.num_output_tokens, -len(r.prompt_ids)), reverse=True)
         while decoding:
             slots = self.cache.alloc_decode_slots([r.row for r in decoding])  # type: ignore[misc]
             if slots is not None:
@@ -207,20 +210,48 @@ class Scheduler:
 
     # --------------------------------------------------------------------------- results
     def process(self, batch: ScheduledBatch, result: StepResult) -> list[RequestOutput]:
-        """Apply a step's sampled tokens; return one output per request that has news."""
-        outputs = []
+        """A step that ran: `commit` it, then `read` its result (the synchronous loop)."""
+        self.commit(batch)
+        return self.read(batch, result)
+
+    def commit(self, batch: ScheduledBatch) -> None:
+        """The step is launched: its K/V will be in the pool before any later step runs, so
+        count it computed now (and share finished prompt chunks); a request that samples a
+        token in it has that token pending until `read`."""
         for i, (req, num) in enumerate(zip(batch.requests, batch.extend_lens, strict=True)):
             if req.status is not Status.RUNNING:
-                continue  # aborted while the step ran
+                continue  # aborted before the step was committed
             req.kv_len += num
             if req.kv_len < req.fill_len:
                 self._cache_chunk(req)
                 continue
             if num > 1 or not req.output_ids:
                 self._cache_chunk(req)  # the whole prompt is computed: share it now
+            req.pending = (batch.step_id, i)
+
+    def read(self, batch: ScheduledBatch, result: StepResult) -> list[RequestOutput]:
+        """Apply a committed step's sampled tokens; return one output per request with news.
+        A request retracted since keeps its token (it resumes with it); an aborted one is gone."""
+        outputs = []
+        for i, req in enumerate(batch.requests):
+            if req.pending != (batch.step_id, i):
+                continue  # a middle prompt chunk, or aborted
+            req.pending = None
             outputs.append(self._append_token(req, result, i))
         self.stats.num_steps += 1
         return outputs
+
+    def can_schedule_ahead(self) -> bool:
+        """Whether the next step may be formed before the step in flight is read: only while
+        every running request surely gets its next page, so that forming it retracts nobody
+        on the strength of tokens not read yet."""
+        return self.cache.available_size() >= self.config.page_size * len(self.running)
+
+    def _ends_by_length(self, req: Request) -> bool:
+        """Its pending token is its last (max_new_tokens or the context limit): nothing to
+        schedule for it, `read` finishes it."""
+        return req.pending is not None and (
+            req.remaining_new_tokens <= 0 or req.fill_len >= self.config.max_context_len)
 
     def _cache_chunk(self, req: Request) -> None:
         assert req.row is not None
@@ -249,8 +280,11 @@ class Scheduler:
             reason = FinishReason.LENGTH
         if reason is None:
             return RequestOutput(req.rid, (token,), "", None, req.usage(), logprobs, top)
-        self._release(req, cache=True)
-        self.running.remove(req)
+        if req.status is Status.WAITING:  # retracted while its token was pending
+            self.waiting.remove(req)
+        else:
+            self._release(req, cache=True)
+            self.running.remove(req)
         final = self._finish(req, reason)
         return final._replace(new_token_ids=(token,), logprobs=logprobs, top_logprobs=top)
 

@@ -70,6 +70,7 @@ class RayTPGroup:
         self._actors: list[ActorHandle[WorkerActor]] = []
         self._stopped = False
         self._broken: str | None = None  # why steps can't run any more
+        self._num_launches = 0  # steps sent to rank 0, which runs them in this order
         if placement_group is None:
             placement_group = create_replica_placement(self.tp_size, use_gpu, placement_strategy,
                                                        startup_timeout_s)
@@ -141,20 +142,29 @@ class RayTPGroup:
         that fails because a rank is gone raises a RuntimeError naming the rank, and every later
         step fails at once (rather than wait on the missing rank).
         """
+        return self.launch(plan).result()
+
+    def launch(self, plan: StepPlan) -> _LaunchedStep:
+        """Send the step to rank 0 and return at once; rank 0's actor runs steps in the order
+        they are sent (one step lock)."""
         if self._stopped:
             raise RuntimeError("the TP group is shut down")
         if self._broken is not None:
             raise RuntimeError(f"the TP group is broken: {self._broken}")
+        launch, self._num_launches = self._num_launches, self._num_launches + 1
+        return _LaunchedStep(self, plan.step_id, self._actors[0].step.remote(plan, launch))
+
+    def _wait(self, step_id: int, ref: ray.ObjectRef) -> StepResult:
         try:
-            return cast(StepResult, ray.get(self._actors[0].step.remote(plan)))
+            return cast(StepResult, ray.get(ref))
         except RayActorError as e:
-            self._broken = f"rank 0 died during step {plan.step_id} ({type(e).__name__})"
+            self._broken = f"rank 0 died during step {step_id} ({type(e).__name__})"
             raise RuntimeError(self._broken) from e  # Ray's long text stays in the cause
         except RayError as e:
             try:
                 self.check_health()
             except RuntimeError as unhealthy:
-                self._broken = f"step {plan.step_id} failed: {unhealthy}"
+                self._broken = f"step {step_id} failed: {unhealthy}"
                 raise RuntimeError(self._broken) from e
             raise
 
@@ -262,3 +272,13 @@ def _check_configs(configs: Sequence[WorkerConfig]) -> int:
             raise ValueError(f"rank {i} has model {c.model_path!r} on {c.device!r}, rank 0 has "
                              f"{configs[0].model_path!r} on {configs[0].device!r}")
     return tp_size
+
+
+class _LaunchedStep:
+    """A step sent to rank 0; `result` waits for its answer."""
+
+    def __init__(self, group: RayTPGroup, step_id: int, ref: ray.ObjectRef) -> None:
+        self._group, self._step_id, self._ref = group, step_id, ref
+
+    def result(self) -> StepResult:
+        return self._group._wait(self._step_id, self._ref)

@@ -58,7 +58,8 @@ class WorkerActor:
     def __init__(self, tp_rank: int) -> None:
         self.tp_rank = tp_rank
         self._worker: TPWorker | None = None
-        self._step_lock = threading.Lock()
+        self._step_lock = threading.Condition()  # one step at a time, in launch order
+        self._next_launch = 0
         self._follow_thread: threading.Thread | None = None
         self._follow_error: str | None = None
 
@@ -108,10 +109,19 @@ class WorkerActor:
                          self.tp_rank, self._follow_error)
             on_error()
 
-    def step(self, plan: StepPlan) -> StepResult:
-        """Rank 0: broadcast `plan` to the followers and run it."""
+    def step(self, plan: StepPlan, launch: int | None = None) -> StepResult:
+        """Rank 0: broadcast `plan` to the followers and run it. `launch` numbers the steps
+        as the engine sent them: this threaded actor may start calls in any order, and a step
+        runs only after every earlier one (the overlapped loop sends the next step early)."""
         with self._step_lock:
-            return self._started().step(plan)
+            if launch is not None:
+                self._step_lock.wait_for(lambda: self._next_launch == launch)
+            try:
+                return self._started().step(plan)
+            finally:
+                if launch is not None:
+                    self._next_launch = launch + 1
+                    self._step_lock.notify_all()
 
     def prepare_grammar(self, spec: GrammarSpec) -> None:
         """Rank 0: start compiling `spec` in the background; returns at once."""

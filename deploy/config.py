@@ -82,6 +82,10 @@ class AppConfig(BaseModel):
     disable_cuda_graph: bool = Field(
         False, description="CUDA: run decode eagerly instead of under CUDA graphs"
     )
+    overlap_schedule: Literal["auto", "on", "off"] = Field(
+        "auto", description="form each step while the previous one runs; auto: on with CUDA, "
+        "off on CPU (where the forward needs the cores the scheduler would use)"
+    )
     cuda_graph_max_bs: int | None = Field(
         None, ge=1, description="CUDA: largest decode batch captured under a CUDA graph; "
         "default: max_running_requests"
@@ -299,6 +303,14 @@ def use_cuda_graph(config: AppConfig, device: str) -> bool:
     return on_flashinfer and not config.disable_cuda_graph
 
 
+def use_overlap_schedule(config: AppConfig, device: str) -> bool:
+    """`auto`: on with CUDA (the GPU computes while the host forms the next step); off on CPU,
+    where the forward's threads and the scheduler share the cores (benchmarks/overlap_bench.py)."""
+    if config.overlap_schedule != "auto":
+        return config.overlap_schedule == "on"
+    return device.startswith("cuda")
+
+
 def engine_config(config: AppConfig, model_path: str, device: str) -> EngineConfig:
     """The one translation from app settings to the engine's frozen config."""
     model = ModelConfig.from_folder(model_path)
@@ -339,6 +351,7 @@ def engine_config(config: AppConfig, model_path: str, device: str) -> EngineConf
         max_prefill_tokens=config.max_prefill_tokens or default_prefill,
         chunked_prefill_size=config.chunked_prefill_size or default_chunk,
         schedule_policy=config.schedule_policy,
+        overlap_schedule=use_overlap_schedule(config, device),
         enable_prefix_cache=not config.disable_radix_cache,
         hicache_write_policy=config.hicache_write_policy,
     )

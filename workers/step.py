@@ -24,6 +24,13 @@ what changed:
   at positions prefix_len .. prefix_len + extend_len - 1 before the forward, so the engine does
   not repeat them in `table_writes`.
 
+With the overlapped step loop the engine forms a step before it has read the previous step's
+tokens. A decode input it does not know yet is the placeholder `pending_token(i)` (a negative
+id): "the token the driving rank sampled for request i of step `tokens_from_step`". The driving
+rank has that step's result when the next plan reaches it, and `resolve_pending` puts the tokens
+in before the plan is checked and shared, so no other rank and no other part of the step ever
+sees a placeholder.
+
 Rank 0 (the driving rank) answers with a `StepResult`; the other ranks run the same step and
 return nothing. `broadcast.broadcast_plan` moves a plan from the driving rank to the others over
 the CPU process group.
@@ -35,6 +42,7 @@ so the scheduler, the cache, the router and the HTTP ingress load without the mo
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -203,6 +211,7 @@ class StepPlan:
     device_to_host: SlotCopy | None = None  # host KV tier: write backups, made first
     host_to_device: SlotCopy | None = None  # host KV tier: loads back, made second
     shutdown: bool = False  # tells follower ranks to leave their loop
+    tokens_from_step: int = -1  # the step whose sampled tokens the placeholders name; -1: none
 
     def __post_init__(self) -> None:
         num_requests = len(self.row_idx)
@@ -252,10 +261,38 @@ class StepPlan:
             host_to_device=host_to_device if host_to_device else None,
         )
 
+    @property
+    def has_pending(self) -> bool:
+        return bool(len(self.input_ids)) and int(self.input_ids.min()) < 0
+
     @classmethod
     def shutdown_plan(cls, step_id: int = -1) -> StepPlan:
         return cls(step_id, np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros(0, np.int32),
                    np.zeros(0, np.int64), np.zeros(0, np.int32), shutdown=True)
+
+
+def pending_token(index: int) -> int:
+    """The placeholder input id for the token sampled for request `index` of the step before."""
+    return -(index + 1)
+
+
+def resolve_pending(plan: StepPlan, last_step_id: int, last_token_ids: np.ndarray) -> StepPlan:
+    """`plan` with its placeholders replaced by the tokens sampled in step `last_step_id` (the
+    driving rank's last step). A plan naming any other step, or an index that step did not
+    have, is refused: a stale token would silently change the output."""
+    if not plan.has_pending:
+        return plan
+    if plan.tokens_from_step != last_step_id:
+        raise ValueError(f"step {plan.step_id} takes the tokens of step "
+                         f"{plan.tokens_from_step}, but the last step run was {last_step_id}")
+    ids = plan.input_ids.copy()
+    holes = np.flatnonzero(ids < 0)
+    index = -ids[holes] - 1
+    if int(index.max()) >= len(last_token_ids):
+        raise ValueError(f"step {plan.step_id} takes token {int(index.max())} of step "
+                         f"{last_step_id}, which had {len(last_token_ids)}")
+    ids[holes] = last_token_ids[index]
+    return dataclasses.replace(plan, input_ids=ids, tokens_from_step=-1)
 
 
 class StepResult(NamedTuple):

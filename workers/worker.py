@@ -7,12 +7,14 @@ plan arrives. The engine calls only rank 0 per step, so there is no per-rank rou
 
 from __future__ import annotations
 
+import numpy as np
+
 from .broadcast import broadcast_plan
 from .config import WorkerConfig
 from .device import bind_device
 from .parallel import TPGroup, init_tp_group
 from .runner import ModelRunner
-from .step import GrammarSpec, StepPlan, StepResult
+from .step import GrammarSpec, StepPlan, StepResult, resolve_pending
 
 
 class TPWorker:
@@ -27,6 +29,8 @@ class TPWorker:
                                   config.device)
         self.group = group
         self.runner = ModelRunner(config, group)
+        self._last_step_id = -1  # driving rank: the last step run, and its sampled tokens
+        self._last_token_ids = np.zeros(0, np.int64)
 
     @property
     def max_num_tokens(self) -> int:
@@ -40,10 +44,13 @@ class TPWorker:
         """Driving rank only: share `plan` with the followers and run it."""
         if self.group.tp_rank != 0:
             raise RuntimeError("only rank 0 drives steps; other ranks call follow()")
+        # the overlapped loop's placeholders take the tokens this rank sampled last step
+        plan = resolve_pending(plan, self._last_step_id, self._last_token_ids)
         self.runner.check_plan(plan)  # before the broadcast: followers only get valid plans
         result = self.runner.step(broadcast_plan(plan, self.group))
         if result is None:
             raise RuntimeError("rank 0 produced no step result")
+        self._last_step_id, self._last_token_ids = plan.step_id, result.next_token_ids
         return result
 
     def prepare_grammar(self, spec: GrammarSpec) -> None:

@@ -10,6 +10,7 @@ penalty state.
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from raydix.cluster.request import FinishReason, GenerationParams, RequestOutput
 from raydix.workers.step import SamplingParams
@@ -47,8 +48,11 @@ def _outputs_of(events: list[RequestOutput]) -> tuple[list[int], list[float], li
     return tokens, logprobs, tops, reason.value if reason else "none"
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
 def test_mixed_load_with_aborts_and_retraction_matches_solo_runs(
-        make_engine: EngineFactory) -> None:
+        make_engine: EngineFactory, overlap: bool) -> None:
+    """With the overlapped loop too: its placeholders, its token dropped after a stop, its
+    reads one step late, against solo runs of the synchronous loop."""
     rng = np.random.default_rng(2026)
     prompts = random_prompts(seed=31, groups=4, per_group=10, prefix_len=24,
                              question_len=(2, 14))[:NUM_REQUESTS]
@@ -59,7 +63,8 @@ def test_mixed_load_with_aborts_and_retraction_matches_solo_runs(
 
     engine = make_engine(max_total_tokens=320, max_running_requests=12,
                          chunked_prefill_size=16, max_prefill_tokens=48,
-                         init_new_token_ratio=0.0, min_new_token_ratio=0.0)
+                         init_new_token_ratio=0.0, min_new_token_ratio=0.0,
+                         overlap_schedule=overlap)
     rids: dict[int, str] = {}
     events: dict[str, list[RequestOutput]] = {}
     step = 0
@@ -101,4 +106,5 @@ def test_mixed_load_with_aborts_and_retraction_matches_solo_runs(
     assert aborted >= 1 and finished + aborted == NUM_REQUESTS
     assert_drained(engine)
     engine.step()  # the last freed rows reach the ranks with the next plan
+    engine.drain()
     assert engine.executor.worker.runner.penalties.num_tracked == 0  # type: ignore[attr-defined]

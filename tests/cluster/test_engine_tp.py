@@ -64,3 +64,20 @@ def test_tp2_engine_equals_tp1(ray_cluster: None, tiny_llama: Path) -> None:
         assert tp2.metrics().num_cached_tokens > 0
     finally:
         tp2.shutdown()
+
+
+def test_tp2_overlapped_loop_equals_tp1(ray_cluster: None, tiny_llama: Path) -> None:
+    """Rank 0's actor runs launched steps in launch order and fills the placeholders before
+    the broadcast, so the follower computes the same tokens."""
+    prompts = random_prompts(seed=12, groups=3, per_group=6, prefix_len=24, question_len=(3, 12))
+    params = GenerationParams(SamplingParams(temperature=0.0, frequency_penalty=0.5,
+                                             top_logprobs=2), max_new_tokens=10,
+                              ignore_eos=True)
+    expected = _engine(tiny_llama, 1).generate(prompts, params)
+    tp2 = _engine(tiny_llama, 2, chunked_prefill_size=32, overlap_schedule=True)
+    try:
+        assert tp2.generate(prompts, params) == expected
+        cache = tp2.scheduler.cache
+        assert cache.available_size() == cache.capacity and cache.num_running == 0
+    finally:
+        tp2.shutdown()

@@ -183,3 +183,18 @@ def test_ignore_eos_still_ends_at_the_end_of_the_grammar(engine: Engine, tiny_to
                               max_new_tokens=30, ignore_eos=True)
     [(_, text, reason)] = run(engine, prompts_of(tiny_tok, 1), [params])
     assert (text, reason) == ("done", FinishReason.STOP)
+
+
+def test_the_overlapped_loop_gives_the_same_grammar_outputs(engine: Engine,
+                                                            tiny_tok: Path) -> None:
+    """A request whose grammar ends in step N is already in step N+1: its extra token is
+    dropped, and the matcher that has ended is not asked for a mask again."""
+    prompts = [p * 2 for p in prompts_of(tiny_tok, 8)]
+    params = json_params(8)
+    expected = run(engine, prompts, params)
+    overlapped = make(tiny_tok, overlap_schedule=True, chunked_prefill_size=16)
+    got = run(overlapped, prompts, params)
+    overlapped.drain()
+    assert got == expected
+    assert grammar_rows(overlapped) == 0
+    assert_drained(overlapped)

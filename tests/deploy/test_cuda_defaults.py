@@ -95,3 +95,12 @@ def test_missing_flashinfer_on_a_cuda_host_is_one_line(monkeypatch: pytest.Monke
         check_attention_backend(AppConfig(), "cuda")
     check_attention_backend(AppConfig(attention_backend="torch"), "cuda")  # explicit: allowed
     check_attention_backend(AppConfig(), "cpu")  # auto on CPU is torch
+
+
+def test_overlap_schedule_is_on_with_cuda(model_folder: str) -> None:
+    def overlap(config: AppConfig, device: str) -> bool:
+        return engine_config(config, model_folder, device).scheduler.overlap_schedule
+
+    assert overlap(AppConfig(), "cuda") and not overlap(AppConfig(), "cpu")
+    assert not overlap(parse("--overlap-schedule", "off"), "cuda")
+    assert overlap(parse("--overlap-schedule", "on"), "cpu")

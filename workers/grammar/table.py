@@ -96,8 +96,11 @@ class GrammarTable:
     def apply(self, logits: torch.Tensor, plan: StepPlan) -> torch.Tensor:
         """`logits` [B, V] float32 with every grammar row's disallowed tokens at -inf (a copy:
         the caller's logits stay those of the model)."""
+        # a matcher that has taken its stop token is done: with the overlapped step loop its
+        # request can run one step more, whose token the engine drops, so it needs no mask
         picked = [(i, state) for i, row in enumerate(plan.row_idx.tolist())
-                  if (state := self._rows.get(row)) is not None]
+                  if (state := self._rows.get(row)) is not None
+                  and not state.matcher.is_terminated()]
         if not picked:
             return logits
         import xgrammar as xgr
