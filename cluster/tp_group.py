@@ -154,9 +154,9 @@ class RayTPGroup:
         launch, self._num_launches = self._num_launches, self._num_launches + 1
         return _LaunchedStep(self, plan.step_id, self._actors[0].step.remote(plan, launch))
 
-    def _wait(self, step_id: int, ref: ray.ObjectRef) -> StepResult:
+    def _wait(self, step_id: int, ref: ray.ObjectRef[StepResult]) -> StepResult:
         try:
-            return cast(StepResult, ray.get(ref))
+            return ray.get(ref)
         except RayActorError as e:
             self._broken = f"rank 0 died during step {step_id} ({type(e).__name__})"
             raise RuntimeError(self._broken) from e  # Ray's long text stays in the cause
@@ -277,7 +277,7 @@ def _check_configs(configs: Sequence[WorkerConfig]) -> int:
 class _LaunchedStep:
     """A step sent to rank 0; `result` waits for its answer."""
 
-    def __init__(self, group: RayTPGroup, step_id: int, ref: ray.ObjectRef) -> None:
+    def __init__(self, group: RayTPGroup, step_id: int, ref: ray.ObjectRef[StepResult]) -> None:
         self._group, self._step_id, self._ref = group, step_id, ref
 
     def result(self) -> StepResult:
