@@ -185,3 +185,16 @@ def one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def gpu_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """CUDA tests: a small Llama whose head_dim (64) flashinfer has precompiled."""
+    pytest.importorskip("flashinfer")
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=512, initializer_range=0.1)
+    folder = tmp_path_factory.mktemp("gpu") / "llama"
+    LlamaForCausalLM(config).save_pretrained(folder)  # head_dim 64: a flashinfer size
+    return folder

@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from raydix.workers.config import WorkerConfig
 from raydix.workers.worker import TPWorker
@@ -16,18 +15,6 @@ from .tp_group import probe_plan
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
-
-
-@pytest.fixture(scope="module")
-def gpu_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    pytest.importorskip("flashinfer")
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=512, initializer_range=0.1)
-    folder = tmp_path_factory.mktemp("gpu") / "llama"
-    LlamaForCausalLM(config).save_pretrained(folder)  # head_dim 64: a flashinfer size
-    return folder
 
 
 def _worker(folder: Path, backend: str, cuda_graph: bool = False) -> TPWorker:

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from raydix.cluster.engine import Engine
 from raydix.cluster.request import GenerationParams
@@ -20,19 +19,12 @@ pytestmark = [pytest.mark.gpu,
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    pytest.importorskip("flashinfer")
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=1024, initializer_range=0.1)
-    path = tmp_path_factory.mktemp("gpu-defaults") / "llama"
-    LlamaForCausalLM(config).save_pretrained(path)  # head_dim 64: a precompiled flashinfer size
-    return path
+def folder(gpu_model: Path) -> Path:
+    return gpu_model  # head_dim 64: a precompiled flashinfer size
 
 
 def serve_engine(folder: Path, **options: object) -> Engine:
-    app = AppConfig(model=str(folder), max_context_len=1024, **options)  # type: ignore[arg-type]
+    app = AppConfig(model=str(folder), max_context_len=512, **options)  # type: ignore[arg-type]
     return Engine(engine_config(app, str(folder), "cuda"))
 
 
@@ -74,8 +66,8 @@ def test_pool_leaves_the_promised_headroom(folder: Path) -> None:
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    prompts = [list(range(3, 3 + 1000 + i)) for i in range(4)]  # ~4,000 prompt tokens in a step
-    engine.generate(prompts + [[7, 8, 9]] * 28, GenerationParams(max_new_tokens=4,
+    prompts = [list(range(3, 3 + 480 + i)) for i in range(8)]  # ~3,900 prompt tokens in a step
+    engine.generate(prompts + [[7, 8, 9]] * 24, GenerationParams(max_new_tokens=4,
                                                                   ignore_eos=True))
     torch.cuda.synchronize()
     used = torch.cuda.max_memory_allocated() - base
