@@ -49,11 +49,11 @@ class RecordingEngine(Engine):
 
     log_path: Path | None = None
 
-    def add_request(self, prompt_ids, params=None, rid=None):  # type: ignore[no-untyped-def]
+    def add_request(self, prompt_ids, params=None, rid=None, **options):  # type: ignore[no-untyped-def]
         if self.log_path is not None:
             with self.log_path.open("a") as f:
                 f.write(f"{rid}\n")
-        return super().add_request(prompt_ids, params, rid)
+        return super().add_request(prompt_ids, params, rid, **options)
 
 
 def recording_factory(log_dir: str):  # type: ignore[no-untyped-def]
