@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 from collections.abc import Iterator
@@ -17,6 +18,17 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 MODEL_NAME = "smollm2"
 NUM_FAKE_GPUS = 4
+
+
+@pytest.fixture(scope="module")
+def model_folder(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A config-only folder of TinyLlama-1.1B's shape: enough for settings, no weights."""
+    folder = tmp_path_factory.mktemp("config-only")
+    (folder / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 32000, "hidden_size": 2048,
+        "intermediate_size": 5632, "num_hidden_layers": 22, "num_attention_heads": 32,
+        "num_key_value_heads": 4, "max_position_embeddings": 2048}))
+    return str(folder)
 
 
 @pytest.fixture(scope="session")

@@ -3,7 +3,6 @@ every batch the table allows; the CLI, the YAML and `serve run` can turn them do
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -15,16 +14,6 @@ from raydix.deploy.cli import ConfigError, build_parser, load_config
 from raydix.deploy.config import AppConfig, engine_config
 from raydix.workers import attention
 from raydix.workers.config import WorkerConfig
-
-
-@pytest.fixture(scope="module")
-def model_folder(tmp_path_factory: pytest.TempPathFactory) -> str:
-    folder = tmp_path_factory.mktemp("config-only")
-    (folder / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "vocab_size": 32000, "hidden_size": 2048,
-        "intermediate_size": 5632, "num_hidden_layers": 22, "num_attention_heads": 32,
-        "num_key_value_heads": 4, "max_position_embeddings": 2048}))
-    return str(folder)
 
 
 def worker(config: AppConfig, folder: str, device: str) -> WorkerConfig:

@@ -11,16 +11,6 @@ from raydix.deploy.cli import build_parser, load_config
 from raydix.deploy.config import AppConfig, engine_config
 
 
-@pytest.fixture(scope="module")
-def model_folder(tmp_path_factory: pytest.TempPathFactory) -> str:
-    folder = tmp_path_factory.mktemp("config-only")
-    (folder / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "vocab_size": 32000, "hidden_size": 2048,
-        "intermediate_size": 5632, "num_hidden_layers": 22, "num_attention_heads": 32,
-        "num_key_value_heads": 4, "max_position_embeddings": 2048}))
-    return str(folder)
-
-
 def test_double_sparse_flags_reach_the_worker(model_folder: str, tmp_path: Path) -> None:
     argv = ["serve", "--kv-pool", "double-sparse", "--ds-heavy-channel-num", "8",
             "--ds-heavy-token-num", "64", "--ds-sparse-decode-threshold", "512",
