@@ -158,12 +158,19 @@ def _deployment(cls: type) -> Deployment:
 
 def request_router_options(config: AppConfig) -> dict[str, RequestRouterConfig]:
     """The engine deployment's request router. cache_aware asks the application's router actor
-    (which the first engine replica creates); power_of_two is Serve's default router."""
+    (which the first engine replica creates); power_of_two is Serve's default router;
+    ray_prefix is Ray Serve LLM's prefix router, fed the prompt's token ids."""
     if config.router == "cache_aware":
         kwargs = {"decision_timeout_s": config.router_decision_timeout_s}
         return {"request_router_config": RequestRouterConfig(
             request_router_class=CacheAwareRequestRouter,  # type: ignore[arg-type]
             request_router_kwargs=kwargs)}
+    if config.router == "ray_prefix":
+        from raydix.router.ray_prefix import RayPrefixAffinityRouter  # imports ray.llm
+
+        return {"request_router_config": RequestRouterConfig(
+            request_router_class=RayPrefixAffinityRouter,  # type: ignore[arg-type]
+            request_router_kwargs={"imbalanced_threshold": config.ray_imbalanced_threshold})}
     if config.router == "round_robin":
         return {"request_router_config": RequestRouterConfig(
             request_router_class=RoundRobinRequestRouter)}  # type: ignore[arg-type]

@@ -145,10 +145,15 @@ class AppConfig(BaseModel):
               "memory when cached, when it is hit again, or when evicted from the device")
     )
     # routing between engine replicas
-    router: Literal["cache_aware", "round_robin", "power_of_two"] = Field(
+    router: Literal["cache_aware", "round_robin", "power_of_two", "ray_prefix"] = Field(
         "cache_aware",
         description="how requests pick an engine replica: the longest cached prefix unless the "
-        "load is imbalanced, in turn, or the less loaded of two at random",
+        "load is imbalanced, in turn, the less loaded of two at random, or Ray Serve LLM's "
+        "PrefixCacheAffinityRouter (its own routing history; a baseline)",
+    )
+    ray_imbalanced_threshold: float = Field(
+        float("inf"), ge=0, description="ray_prefix: queue-length gap above which Ray's router "
+        "routes by load (Ray's default: never)"
     )
     cache_threshold: float = Field(
         0.5, ge=0, le=1, description="cache_aware: least share of the prompt a replica must hold"
@@ -217,6 +222,9 @@ class AppConfig(BaseModel):
             raise ValueError("attention_backend flashinfer needs device cuda")
         if self.device == "cpu" and self.cuda_graph_max_bs is not None:
             raise ValueError("cuda_graph_max_bs needs device cuda")
+        if self.router != "ray_prefix" and self.ray_imbalanced_threshold != float("inf"):
+            raise ValueError(f"ray_imbalanced_threshold applies to router ray_prefix, not "
+                             f"{self.router}")
         return self
 
     @property
