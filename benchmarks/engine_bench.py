@@ -33,9 +33,9 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
 
-from raydix.cluster.config import EngineConfig, SchedulerConfig
-from raydix.cluster.engine import Engine
-from raydix.cluster.request import GenerationParams
+from raydix.engine.config import EngineConfig, SchedulerConfig
+from raydix.engine.engine import Engine
+from raydix.engine.request import GenerationParams
 from raydix.workers.config import WorkerConfig
 from raydix.workers.gguf_convert import default_model_folder
 

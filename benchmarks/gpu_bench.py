@@ -38,9 +38,9 @@ import torch
 from engine_bench import Workload, mixed, run_engine, run_transformers, shared_prefix
 from worker_bench import BANDWIDTH_GBS, SYNTHETIC, decode_weight_bytes, synthetic_model
 
-from raydix.cluster.engine import Engine
-from raydix.cluster.request import GenerationParams
 from raydix.deploy.config import AppConfig, engine_config
+from raydix.engine.engine import Engine
+from raydix.engine.request import GenerationParams
 from raydix.workers.gguf_convert import default_model_folder
 from raydix.workers.runner import ModelRunner
 

@@ -40,9 +40,9 @@ import httpx
 import numpy as np
 import torch
 
-from raydix.cluster.engine import Engine
-from raydix.cluster.request import GenerationParams
 from raydix.deploy.config import AppConfig, engine_config, resolve_model_path
+from raydix.engine.engine import Engine
+from raydix.engine.request import GenerationParams
 
 MODEL_NAME = "bench"
 

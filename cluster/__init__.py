@@ -1,1 +1,2 @@
-"""The engine: scheduler, request state, step protocol and TP group start-up on Ray."""
+"""The engine's Ray parts: the Ray executor (one replica's ranks as actors), the worker actor and
+placement."""

@@ -1,6 +1,6 @@
 """One rank of a replica inside a Ray actor.
 
-The actor is threaded (`RayTPGroup` starts it with `max_concurrency=MAX_CONCURRENCY`), so that
+The actor is threaded (`RayExecutor` starts it with `max_concurrency=MAX_CONCURRENCY`), so that
 health calls still answer while a long call runs:
 
 - rank 0 answers `step` calls from the engine (one at a time, under a lock);
@@ -53,7 +53,7 @@ def free_port() -> int:
 
 
 class WorkerActor:
-    """Holds one rank's `TPWorker`; `RayTPGroup` starts it as a Ray actor in the rank's bundle."""
+    """Holds one rank's `TPWorker`; `RayExecutor` starts it as a Ray actor in the rank's bundle."""
 
     def __init__(self, tp_rank: int) -> None:
         self.tp_rank = tp_rank

@@ -11,7 +11,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from raydix.cluster.config import EngineConfig, SchedulerConfig
+from raydix.engine.config import EngineConfig, SchedulerConfig
 from raydix.router.policy import RoutingPolicyConfig
 from raydix.workers.config import ModelConfig, WorkerConfig
 

@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, NamedTuple, cast
 from ray.exceptions import RayActorError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
-from raydix.cluster.async_engine import EngineDeadError, EngineOverloadedError
-from raydix.cluster.request import GenerationParams, RequestOutput
+from raydix.engine.async_engine import EngineDeadError, EngineOverloadedError
+from raydix.engine.request import GenerationParams, RequestOutput
 
 from .errors import ApiError, bad_request, engine_unavailable, overloaded
 

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ValidationError
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from raydix.cluster.request import GenerationParams
+from raydix.engine.request import GenerationParams
 from raydix.workers.step import GrammarSpec, SamplingParams
 
 if TYPE_CHECKING:

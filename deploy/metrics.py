@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
-from raydix.cluster.request import RequestOutput
+from raydix.engine.request import RequestOutput
 
 from .errors import ApiError
 from .replica_stats import ReplicaStats

@@ -10,7 +10,7 @@ import logging
 import os
 from typing import NamedTuple
 
-from raydix.cluster.config import EngineConfig
+from raydix.engine.config import EngineConfig
 
 
 class ReplicaFacts(NamedTuple):

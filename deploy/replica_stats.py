@@ -19,9 +19,9 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import NamedTuple, Protocol
 
-from raydix.cluster.async_engine import AsyncEngine
-from raydix.cluster.engine import Engine
-from raydix.cluster.metrics import EngineMetrics
+from raydix.engine.async_engine import AsyncEngine
+from raydix.engine.engine import Engine
+from raydix.engine.metrics import EngineMetrics
 
 logger = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel
 
-from raydix.cluster.request import RequestOutput, Usage
+from raydix.engine.request import RequestOutput, Usage
 
 from .openai_schema import (
     ChatChoice,

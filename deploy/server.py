@@ -40,12 +40,12 @@ from ray.actor import ActorHandle
 from ray.serve.handle import DeploymentHandle
 
 from raydix.cache import EventBuffer, EventSink
-from raydix.cluster.async_engine import AsyncEngine
-from raydix.cluster.config import EngineConfig
-from raydix.cluster.detokenizer import TokenDecoder
-from raydix.cluster.engine import Engine
-from raydix.cluster.executor import Executor, LocalExecutor, UnhealthyRanksError
-from raydix.cluster.request import GenerationParams, RequestOutput
+from raydix.engine.async_engine import AsyncEngine
+from raydix.engine.config import EngineConfig
+from raydix.engine.detokenizer import TokenDecoder
+from raydix.engine.engine import Engine
+from raydix.engine.executor import Executor, LocalExecutor, UnhealthyRanksError
+from raydix.engine.request import GenerationParams, RequestOutput
 from raydix.router.actor import get_or_create_router
 from raydix.router.policy import RoutingPolicyConfig
 from raydix.router.reporter import LoadReport, ReplicaReporter
@@ -105,10 +105,10 @@ def build_engine(config: EngineConfig, settings: ReplicaSettings,
     else:
         from ray.util import get_current_placement_group
 
-        from raydix.cluster.tp_group import RayTPGroup
+        from raydix.cluster.ray_executor import RayExecutor
 
         tp = config.worker.tp_size
-        executor = RayTPGroup(
+        executor = RayExecutor(
             [config.rank_config(r) for r in range(tp)],
             placement_group=get_current_placement_group(),
             bundle_offset=1,

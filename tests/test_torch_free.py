@@ -1,20 +1,21 @@
 """The control plane is torch-free: the scheduler, the engine, the cache, the router and the HTTP
 ingress import without loading torch or the model stack (only the ranks need them). The engine
-core (cluster/ without its Ray parts: tp_group, worker_actor, placement) is Ray-free too."""
+core (engine/; its Ray parts are in cluster/) is Ray-free too."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 CONTROL_PLANE = (
     "raydix.cache",
     "raydix.workers.step",
-    "raydix.cluster.scheduler",
-    "raydix.cluster.engine",
-    "raydix.cluster.async_engine",
-    "raydix.cluster.tp_group",
+    "raydix.engine.scheduler",
+    "raydix.engine.engine",
+    "raydix.engine.async_engine",
+    "raydix.cluster.ray_executor",
     "raydix.router.state",
     "raydix.router.actor",
     "raydix.router.serve_router",
@@ -22,14 +23,12 @@ CONTROL_PLANE = (
     "raydix.deploy.ingress",
     "raydix.deploy.server",
 )
+ROOT = Path(__file__).resolve().parents[1]
 MODEL_STACK = ("torch", "transformers", "safetensors", "flashinfer")
-ENGINE_CORE = (
-    "raydix.cluster.scheduler",
-    "raydix.cluster.admission",
-    "raydix.cluster.output_processor",
-    "raydix.cluster.engine",
-    "raydix.cluster.async_engine",
-    "raydix.cluster.executor",
+# every module of the engine core package
+ENGINE_CORE = tuple(
+    f"raydix.engine.{path.stem}" for path in sorted((ROOT / "engine").glob("*.py"))
+    if path.stem != "__init__"
 )
 
 
@@ -54,4 +53,4 @@ def test_probe_sees_torch_when_the_model_stack_loads() -> None:
 
 def test_engine_core_imports_without_ray() -> None:
     assert _loaded_after_import(ENGINE_CORE, ("ray", *MODEL_STACK)) == []
-    assert _loaded_after_import(("raydix.cluster.tp_group",), ("ray",)) == ["ray"]
+    assert _loaded_after_import(("raydix.cluster.ray_executor",), ("ray",)) == ["ray"]

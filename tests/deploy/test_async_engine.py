@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from raydix.cluster.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError
-from raydix.cluster.config import EngineConfig, SchedulerConfig
-from raydix.cluster.engine import Engine
-from raydix.cluster.request import FinishReason, GenerationParams, RequestOutput
+from raydix.engine.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError
+from raydix.engine.config import EngineConfig, SchedulerConfig
+from raydix.engine.engine import Engine
+from raydix.engine.request import FinishReason, GenerationParams, RequestOutput
 from raydix.workers.config import WorkerConfig
 
 PARAMS = GenerationParams(max_new_tokens=12, ignore_eos=True)

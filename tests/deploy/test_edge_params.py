@@ -8,10 +8,10 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from raydix.cluster.request import GenerationParams
 from raydix.deploy.errors import ApiError
 from raydix.deploy.ingress import OpenAIIngress
 from raydix.deploy.openai_schema import CompletionRequest
+from raydix.engine.request import GenerationParams
 
 
 class _Vocab:

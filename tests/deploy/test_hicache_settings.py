@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from raydix.cluster.metrics import EngineMetrics
 from raydix.deploy.config import AppConfig, describe_error, engine_config
 from raydix.deploy.metrics import render_engine
 from raydix.deploy.server import ReplicaStats
+from raydix.engine.metrics import EngineMetrics
 
 
 @pytest.fixture

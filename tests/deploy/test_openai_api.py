@@ -10,9 +10,9 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from raydix.cluster.engine import Engine
-from raydix.cluster.request import GenerationParams
 from raydix.deploy.config import AppConfig, engine_config
+from raydix.engine.engine import Engine
+from raydix.engine.request import GenerationParams
 from raydix.workers.step import SamplingParams
 
 from .conftest import MODEL_NAME, ServeCluster

@@ -17,12 +17,12 @@ import numpy as np
 import pytest
 
 from raydix.cache import EventSink
-from raydix.cluster.config import EngineConfig, SchedulerConfig
-from raydix.cluster.engine import Engine
-from raydix.cluster.executor import RankLocation
-from raydix.cluster.request import GenerationParams
 from raydix.deploy.replica_stats import ReplicaStats
 from raydix.deploy.server import EngineServer, ReplicaSettings
+from raydix.engine.config import EngineConfig, SchedulerConfig
+from raydix.engine.engine import Engine
+from raydix.engine.executor import RankLocation
+from raydix.engine.request import GenerationParams
 from raydix.workers.config import WorkerConfig
 from raydix.workers.step import StepPlan, StepResult
 

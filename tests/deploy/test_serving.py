@@ -13,10 +13,10 @@ import openai
 import pytest
 
 from raydix.cache import EventSink
-from raydix.cluster.config import EngineConfig
-from raydix.cluster.engine import Engine
 from raydix.deploy.config import AppConfig
 from raydix.deploy.server import ReplicaSettings
+from raydix.engine.config import EngineConfig
+from raydix.engine.engine import Engine
 
 from .conftest import MODEL_NAME, ServeCluster
 

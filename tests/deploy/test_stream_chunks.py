@@ -7,8 +7,8 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from raydix.cluster.async_engine import AsyncEngine
-from raydix.cluster.request import GenerationParams, RequestOutput
+from raydix.engine.async_engine import AsyncEngine
+from raydix.engine.request import GenerationParams, RequestOutput
 
 from .test_async_engine import PROMPTS, make_engine
 

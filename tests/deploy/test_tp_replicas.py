@@ -13,10 +13,10 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from raydix.cluster.config import EngineConfig
-from raydix.cluster.engine import Engine
-from raydix.cluster.request import GenerationParams
 from raydix.deploy.config import AppConfig, engine_config
+from raydix.engine.config import EngineConfig
+from raydix.engine.engine import Engine
+from raydix.engine.request import GenerationParams
 
 from .conftest import MODEL_NAME, NUM_FAKE_GPUS, ServeCluster
 

@@ -33,12 +33,12 @@ from ray.actor import ActorHandle
 from ray.cluster_utils import Cluster
 from ray.serve.handle import DeploymentHandle
 
-from raydix.cluster.request import GenerationParams
 from raydix.deploy.app import ENGINE_DEPLOYMENT, STATS_BOARD_DEPLOYMENT
 from raydix.deploy.config import AppConfig
 from raydix.deploy.errors import ApiError
 from raydix.deploy.generation import ChoiceStreams, make_choices
 from raydix.deploy.server import RankInfo, ReplicaStats
+from raydix.engine.request import GenerationParams
 
 GPUS_PER_NODE = 2
 NUM_GPU_NODES = 2

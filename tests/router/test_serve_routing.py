@@ -28,11 +28,11 @@ import pytest
 import ray
 
 from raydix.cache import EventSink
-from raydix.cluster.config import EngineConfig
-from raydix.cluster.engine import Engine
-from raydix.cluster.request import GenerationParams
 from raydix.deploy.config import AppConfig
 from raydix.deploy.server import ReplicaSettings
+from raydix.engine.config import EngineConfig
+from raydix.engine.engine import Engine
+from raydix.engine.request import GenerationParams
 from raydix.router.actor import get_router
 
 pytestmark = pytest.mark.ray

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from raydix.cluster.engine import Engine
-from raydix.cluster.request import GenerationParams
 from raydix.deploy.config import AppConfig, engine_config
+from raydix.engine.engine import Engine
+from raydix.engine.request import GenerationParams
 from raydix.workers.runner import ModelRunner
 
 pytestmark = [pytest.mark.gpu,

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from raydix.cluster.config import EngineConfig, SchedulerConfig
-from raydix.cluster.engine import Engine
-from raydix.cluster.request import FinishReason, GenerationParams
+from raydix.engine.config import EngineConfig, SchedulerConfig
+from raydix.engine.engine import Engine
+from raydix.engine.request import FinishReason, GenerationParams
 from raydix.workers.config import WorkerConfig
 
 pytestmark = pytest.mark.slow

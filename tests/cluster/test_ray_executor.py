@@ -24,7 +24,7 @@ import torch
 from ray.util.placement_group import placement_group, remove_placement_group
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from raydix.cluster.tp_group import RayTPGroup
+from raydix.cluster.ray_executor import RayExecutor
 from raydix.workers.config import WorkerConfig
 from raydix.workers.step import ScheduledRequest, StepPlan, StepResult
 from raydix.workers.worker import TPWorker
@@ -115,7 +115,7 @@ def test_tp2_on_ray_matches_tp1_in_process_and_transformers(
     local = TPWorker(_configs(llama_folder, 1)[0])
     assert _greedy(local.step) == expected
 
-    tp1 = RayTPGroup(_configs(llama_folder, 1))  # device "cpu": one CPU bundle, no GPU
+    tp1 = RayExecutor(_configs(llama_folder, 1))  # device "cpu": one CPU bundle, no GPU
     try:
         assert _free_gpus() == NUM_GPUS
         assert ray.available_resources().get("CPU", 0.0) == 1.0
@@ -124,7 +124,7 @@ def test_tp2_on_ray_matches_tp1_in_process_and_transformers(
     finally:
         tp1.shutdown()
 
-    tp2 = RayTPGroup(_configs(llama_folder, 2), use_gpu=True)
+    tp2 = RayExecutor(_configs(llama_folder, 2), use_gpu=True)
     try:
         assert _free_gpus() == NUM_GPUS - 2
         assert tp2.max_num_tokens == MAX_TOTAL_TOKENS
@@ -151,7 +151,7 @@ def test_replica_larger_than_cluster_fails_fast_and_cleans_up(
         r"a replica needs tp=8 \(STRICT_PACK needs them on "
         r"one node",
     ):
-        RayTPGroup(_configs(llama_folder, 8), use_gpu=True, startup_timeout_s=2.0)
+        RayExecutor(_configs(llama_folder, 8), use_gpu=True, startup_timeout_s=2.0)
     assert time.monotonic() - start < 10.0
     assert _wait_for(lambda: not _live_placement_groups())
     assert _free_gpus() == NUM_GPUS
@@ -162,7 +162,7 @@ def test_startup_that_outlasts_its_timeout_fails_and_cleans_up(
 ) -> None:
     # a fresh actor process can't import torch and load a model in 0.3 s
     with pytest.raises(RuntimeError, match=r"did not start within 0\.3 s"):
-        RayTPGroup(_configs(llama_folder, 2), use_gpu=True, startup_timeout_s=0.3)
+        RayExecutor(_configs(llama_folder, 2), use_gpu=True, startup_timeout_s=0.3)
     assert _wait_for(lambda: not _live_placement_groups())
     assert _wait_for(lambda: _free_gpus() == NUM_GPUS)
 
@@ -177,13 +177,13 @@ def test_rank_that_fails_to_start_is_named_and_cleaned_up(
         r"ValueError: architecture 'GPT2LMHeadModel' is not "
         r"supported",
     ):
-        RayTPGroup(_configs(tmp_path, 2), use_gpu=True, startup_timeout_s=60.0)
+        RayExecutor(_configs(tmp_path, 2), use_gpu=True, startup_timeout_s=60.0)
     assert _wait_for(lambda: not _live_placement_groups())
     assert _wait_for(lambda: _free_gpus() == NUM_GPUS)
 
 
 def test_check_health_names_a_killed_rank(ray_cluster: None, llama_folder: Path) -> None:
-    group = RayTPGroup(_configs(llama_folder, 2), use_gpu=True)
+    group = RayExecutor(_configs(llama_folder, 2), use_gpu=True)
     try:
         group.check_health()
         ray.kill(group.workers[1])
@@ -215,7 +215,7 @@ def test_shutdown_frees_gpus_and_keeps_a_given_placement_group(
     # as Serve lays a replica out: one bundle for the engine, then one GPU bundle per rank
     pg = placement_group([{"CPU": 1}, {"GPU": 1}, {"GPU": 1}], strategy="STRICT_PACK")
     try:
-        group = RayTPGroup(
+        group = RayExecutor(
             _configs(llama_folder, 2), placement_group=pg, bundle_offset=1, use_gpu=True
         )
         assert _free_gpus() == NUM_GPUS - 2
@@ -232,7 +232,7 @@ def test_shutdown_frees_gpus_and_keeps_a_given_placement_group(
     too_small = placement_group([{"GPU": 1}] * 2)
     try:
         with pytest.raises(ValueError, match=r"bundles 2\.\.3 are needed for tp=2"):
-            RayTPGroup(
+            RayExecutor(
                 _configs(llama_folder, 2), placement_group=too_small, bundle_offset=2, use_gpu=True
             )
     finally:

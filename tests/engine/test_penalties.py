@@ -15,10 +15,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
 
-from raydix.cluster.request import GenerationParams
+from raydix.engine.request import GenerationParams
 from raydix.workers.step import SamplingParams
-from tests.cluster.conftest import EngineFactory, random_prompts
-from tests.cluster.test_engine import assert_drained
+from tests.engine.conftest import EngineFactory, random_prompts
+from tests.engine.test_engine import assert_drained
 
 NEW_TOKENS = 24
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 
-from raydix.cluster.engine import Engine
-from raydix.cluster.request import GenerationParams
-from tests.cluster.conftest import EngineFactory, random_prompts
+from raydix.engine.engine import Engine
+from raydix.engine.request import GenerationParams
+from tests.engine.conftest import EngineFactory, random_prompts
 
 
 def _run(engine: Engine, prompt: list[int], salt: Hashable) -> tuple[list[int], int]:

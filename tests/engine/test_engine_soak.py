@@ -12,10 +12,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from raydix.cluster.request import FinishReason, GenerationParams, RequestOutput
+from raydix.engine.request import FinishReason, GenerationParams, RequestOutput
 from raydix.workers.step import SamplingParams
-from tests.cluster.conftest import EOS, VOCAB, EngineFactory, random_prompts
-from tests.cluster.test_engine import assert_drained
+from tests.engine.conftest import EOS, VOCAB, EngineFactory, random_prompts
+from tests.engine.test_engine import assert_drained
 
 NUM_REQUESTS = 40
 

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 
-from raydix.cluster.config import EngineConfig, SchedulerConfig
-from raydix.cluster.engine import Engine
-from raydix.cluster.request import GenerationParams
+from raydix.engine.config import EngineConfig, SchedulerConfig
+from raydix.engine.engine import Engine
+from raydix.engine.request import GenerationParams
 from raydix.workers.config import WorkerConfig
-from tests.cluster.conftest import random_prompts
-from tests.cluster.test_engine import assert_drained
+from tests.engine.conftest import random_prompts
+from tests.engine.test_engine import assert_drained
 from tests.workers.moe_models import save_moe_model
 from tests.workers.reference import HFReference
 
@@ -39,7 +39,7 @@ def test_retraction_under_a_small_pool_keeps_transformers_tokens(
 
 def test_host_tier_over_the_latent_pool(tmp_path_factory: pytest.TempPathFactory) -> None:
     """The host tier mirrors the latent pool like any other: outputs equal the tier off."""
-    from tests.cluster.test_engine_hicache import (
+    from tests.engine.test_engine_hicache import (
         assert_same_outputs,
         assert_tiers_drained,
         conversations,

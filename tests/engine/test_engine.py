@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from raydix.cache import EventBuffer, EventKind
-from raydix.cluster.engine import Engine
-from raydix.cluster.request import FinishReason, GenerationParams
+from raydix.engine.engine import Engine
+from raydix.engine.request import FinishReason, GenerationParams
 from raydix.workers.step import SamplingParams
-from tests.cluster.conftest import EOS, EngineFactory, random_prompts
+from tests.engine.conftest import EOS, EngineFactory, random_prompts
 
 GREEDY_16 = GenerationParams(max_new_tokens=16, ignore_eos=True)
 _SOLO: dict[tuple[tuple[int, ...], GenerationParams], list[int]] = {}

@@ -10,8 +10,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from raydix.cluster.config import EngineConfig, SchedulerConfig
-from raydix.cluster.engine import Engine
+from raydix.engine.config import EngineConfig, SchedulerConfig
+from raydix.engine.engine import Engine
 from raydix.workers.config import WorkerConfig
 
 VOCAB = 128

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from raydix.cluster.output_processor import RequestOutputProcessor
-from raydix.cluster.request import FinishReason, GenerationParams, RequestOutput, Usage
+from raydix.engine.output_processor import RequestOutputProcessor
+from raydix.engine.request import FinishReason, GenerationParams, RequestOutput, Usage
 
 
 class ByteDecoder:

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from raydix.cluster.detokenizer import IncrementalDetokenizer
+from raydix.engine.detokenizer import IncrementalDetokenizer
 
 
 class ByteDecoder:

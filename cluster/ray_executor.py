@@ -1,4 +1,4 @@
-"""The TP worker group of one replica on Ray, seen by the engine as one executor.
+"""The Ray executor: one replica's ranks as Ray actors (its TP worker group), one executor to the engine.
 
 Start-up, in order, all under one `startup_timeout_s` budget:
 
@@ -33,10 +33,11 @@ from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 from ray.util.placement_group import PlacementGroup, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from raydix.engine.config import EngineConfig
+from raydix.engine.executor import Executor, LocalExecutor, RankLocation, UnhealthyRanksError
 from raydix.workers.config import WorkerConfig
 from raydix.workers.step import GrammarSpec, StepPlan, StepResult
 
-from .executor import RankLocation, UnhealthyRanksError
 from .placement import check_bundles, create_replica_placement, wait_placed
 from .worker_actor import MAX_CONCURRENCY, WorkerActor
 
@@ -45,7 +46,7 @@ STOP_TIMEOUT_S = 10.0
 _REMOTE_WORKER = ray.remote(WorkerActor)
 
 
-class RayTPGroup:
+class RayExecutor:
     """One replica's ranks as Ray actors: `step` drives them, `check_health` watches them."""
 
     def __init__(self, worker_configs: Sequence[WorkerConfig], *,
@@ -238,6 +239,19 @@ class RayTPGroup:
             remove_placement_group(self.placement_group)
 
 
+def make_executor(
+    config: EngineConfig, startup_timeout_s: float = 120.0, use_gpu: bool | None = None
+) -> Executor:
+    """In-process for one rank; a Ray executor (one actor per rank) for more.
+
+    ``use_gpu``: each rank takes one (possibly fake) GPU; None decides from the device.
+    """
+    if config.worker.tp_size == 1:
+        return LocalExecutor(config)
+    configs = [config.rank_config(r) for r in range(config.worker.tp_size)]
+    return RayExecutor(configs, startup_timeout_s=startup_timeout_s, use_gpu=use_gpu)
+
+
 def _make_actor(pg: PlacementGroup, bundle_idx: int, tp_rank: int,
                 use_gpu: bool) -> ActorHandle[WorkerActor]:
     """One rank's actor in its bundle. On GPUs it takes no CPU, so fake GPUs fit on small hosts."""
@@ -277,7 +291,7 @@ def _check_configs(configs: Sequence[WorkerConfig]) -> int:
 class _LaunchedStep:
     """A step sent to rank 0; `result` waits for its answer."""
 
-    def __init__(self, group: RayTPGroup, step_id: int, ref: ray.ObjectRef[StepResult]) -> None:
+    def __init__(self, group: RayExecutor, step_id: int, ref: ray.ObjectRef[StepResult]) -> None:
         self._group, self._step_id, self._ref = group, step_id, ref
 
     def result(self) -> StepResult:

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from raydix.cluster.batch import ScheduledBatch
-from raydix.cluster.config import SchedulerConfig
-from raydix.cluster.request import GenerationParams, Request
-from raydix.cluster.scheduler import Scheduler
+from raydix.engine.batch import ScheduledBatch
+from raydix.engine.config import SchedulerConfig
+from raydix.engine.request import GenerationParams, Request
+from raydix.engine.scheduler import Scheduler
 from raydix.workers.step import RowSampling, SamplingParams, StepPlan, StepResult
 
 EOS = 1

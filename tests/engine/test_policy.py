@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from raydix.cluster.config import SchedulerConfig
-from raydix.cluster.request import GenerationParams, Request
-from raydix.cluster.scheduler import Scheduler
+from raydix.engine.config import SchedulerConfig
+from raydix.engine.request import GenerationParams, Request
+from raydix.engine.scheduler import Scheduler
 from raydix.workers.step import StepResult
 
 

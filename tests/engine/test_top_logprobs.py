@@ -9,9 +9,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from raydix.cluster.request import GenerationParams, RequestOutput
+from raydix.engine.request import GenerationParams, RequestOutput
 from raydix.workers.step import SamplingParams
-from tests.cluster.conftest import EngineFactory, random_prompts
+from tests.engine.conftest import EngineFactory, random_prompts
 
 
 @torch.inference_mode()

@@ -26,7 +26,7 @@ class SchedulerConfig:
     min_new_token_ratio: float = 0.1
     new_token_ratio_decay: float = 0.002
     max_lpm_waiting: int = 128  # above this many waiting requests, lpm falls back to fcfs
-    in_batch_prefix_threshold: int = 32  # 0: off; see cluster/admission.py
+    in_batch_prefix_threshold: int = 32  # 0: off; see engine/admission.py
     # the host KV tier's write policy (cache/hiradix.py), when the ranks have a host pool
     hicache_write_policy: str = "write_through_selective"
     overlap_schedule: bool = False  # form step N+1 while step N runs (engine.py)

@@ -8,16 +8,11 @@ executor's own type.
 from __future__ import annotations
 
 import concurrent.futures
-from typing import TYPE_CHECKING, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from raydix.workers.step import GrammarSpec, StepPlan, StepResult
 
 from .config import EngineConfig
-
-if TYPE_CHECKING:
-    from ray.actor import ActorHandle
-
-    from .worker_actor import WorkerActor
 
 
 class RankLocation(NamedTuple):
@@ -25,7 +20,9 @@ class RankLocation(NamedTuple):
 
     tp_rank: int
     node_id: str | None  # its Ray node; None: inside the engine's own process
-    worker: ActorHandle[WorkerActor] | None  # its worker actor; None: inside the engine's own process
+    # its worker actor's handle (a Ray executor's `ActorHandle[WorkerActor]`, the core does not
+    # import Ray); None: inside the engine's own process
+    worker: Any
 
 
 class UnhealthyRanksError(RuntimeError):
@@ -88,7 +85,7 @@ class LocalExecutor:
         if config.worker.tp_size != 1:
             raise ValueError(
                 f"LocalExecutor runs tp_size 1 only, got {config.worker.tp_size}; "
-                "use the Ray TP group for more ranks"
+                "use the Ray executor for more ranks"
             )
         from raydix.workers.worker import TPWorker  # the model stack loads with the rank only
 
@@ -126,17 +123,3 @@ class LocalExecutor:
     def shutdown(self) -> None:
         self._thread.shutdown(wait=True)
 
-
-def make_executor(
-    config: EngineConfig, startup_timeout_s: float = 120.0, use_gpu: bool | None = None
-) -> Executor:
-    """In-process for one rank; a Ray TP group (one actor per rank) for more.
-
-    ``use_gpu``: each rank takes one (possibly fake) GPU; None decides from the device.
-    """
-    if config.worker.tp_size == 1:
-        return LocalExecutor(config)
-    from .tp_group import RayTPGroup
-
-    configs = [config.rank_config(r) for r in range(config.worker.tp_size)]
-    return RayTPGroup(configs, startup_timeout_s=startup_timeout_s, use_gpu=use_gpu)

@@ -15,14 +15,14 @@ import numpy as np
 import pytest
 
 from raydix.cache import WRITE_POLICIES
-from raydix.cluster.config import EngineConfig, SchedulerConfig
-from raydix.cluster.engine import Engine
-from raydix.cluster.executor import make_executor
-from raydix.cluster.request import FinishReason, GenerationParams, RequestOutput
+from raydix.cluster.ray_executor import make_executor
+from raydix.engine.config import EngineConfig, SchedulerConfig
+from raydix.engine.engine import Engine
+from raydix.engine.request import FinishReason, GenerationParams, RequestOutput
 from raydix.workers.config import WorkerConfig
 from raydix.workers.step import SamplingParams
-from tests.cluster.conftest import VOCAB
-from tests.cluster.test_engine import assert_drained
+from tests.engine.conftest import VOCAB
+from tests.engine.test_engine import assert_drained
 
 Schedule = list[tuple[int, list[int], GenerationParams]]  # (arrival step, prompt, params)
 

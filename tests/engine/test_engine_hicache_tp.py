@@ -14,7 +14,7 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 import pytest
 import ray
 
-from tests.cluster.test_engine_hicache import (
+from tests.engine.test_engine_hicache import (
     assert_same_outputs,
     assert_tiers_drained,
     conversations,

@@ -8,9 +8,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from raydix.cluster.request import FinishReason, GenerationParams, RequestOutput
+from raydix.engine.request import FinishReason, GenerationParams, RequestOutput
 from raydix.workers.step import SamplingParams
-from tests.cluster.conftest import EOS, EngineFactory, random_prompts
+from tests.engine.conftest import EOS, EngineFactory, random_prompts
 
 
 @torch.inference_mode()

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from raydix.cluster.engine import Engine
-from raydix.cluster.request import FinishReason, GenerationParams, RequestOutput
+from raydix.engine.engine import Engine
+from raydix.engine.request import FinishReason, GenerationParams, RequestOutput
 from raydix.workers.step import SamplingParams, StepPlan
-from tests.cluster.conftest import EOS, EngineFactory, random_prompts
-from tests.cluster.test_engine import assert_drained
+from tests.engine.conftest import EOS, EngineFactory, random_prompts
+from tests.engine.test_engine import assert_drained
 
 
 def _params(i: int) -> GenerationParams:

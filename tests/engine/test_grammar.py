@@ -19,12 +19,12 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from raydix.cluster.config import EngineConfig, SchedulerConfig
-from raydix.cluster.engine import Engine
-from raydix.cluster.request import FinishReason, GenerationParams
+from raydix.engine.config import EngineConfig, SchedulerConfig
+from raydix.engine.engine import Engine
+from raydix.engine.request import FinishReason, GenerationParams
 from raydix.workers.config import WorkerConfig
 from raydix.workers.step import GrammarSpec, SamplingParams
-from tests.cluster.test_engine import assert_drained
+from tests.engine.test_engine import assert_drained
 
 EOS = 2
 SCHEMA = {

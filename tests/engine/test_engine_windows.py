@@ -9,11 +9,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Gemma2Config, MistralConfig
 
-from raydix.cluster.config import EngineConfig, SchedulerConfig
-from raydix.cluster.engine import Engine
-from raydix.cluster.request import GenerationParams
+from raydix.engine.config import EngineConfig, SchedulerConfig
+from raydix.engine.engine import Engine
+from raydix.engine.request import GenerationParams
 from raydix.workers.config import WorkerConfig
-from tests.cluster.conftest import random_prompts
+from tests.engine.conftest import random_prompts
 from tests.workers.reference import HFReference
 
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,

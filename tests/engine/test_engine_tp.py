@@ -13,13 +13,13 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 import pytest
 import ray
 
-from raydix.cluster.config import EngineConfig, SchedulerConfig
-from raydix.cluster.engine import Engine
-from raydix.cluster.executor import make_executor
-from raydix.cluster.request import GenerationParams
+from raydix.cluster.ray_executor import make_executor
+from raydix.engine.config import EngineConfig, SchedulerConfig
+from raydix.engine.engine import Engine
+from raydix.engine.request import GenerationParams
 from raydix.workers.config import WorkerConfig
 from raydix.workers.step import SamplingParams
-from tests.cluster.conftest import random_prompts
+from tests.engine.conftest import random_prompts
 
 pytestmark = pytest.mark.ray
 
