@@ -6,7 +6,7 @@ Pure Python and numpy: no torch, no ray. The physical K/V tensors live in ``rayd
 from .allocator import PagedSlotAllocator
 from .base import CachedPrefix, MatchResult, PrefixCache, PrefixHandle, SizeInfo
 from .events import CacheEvent, EventBuffer, EventKind, EventSink
-from .hiradix import WRITE_POLICIES, HiRadixCache
+from .hiradix import DEFAULT_WRITE_POLICY, WRITE_POLICIES, HiRadixCache
 from .kv_copies import KVCopies
 from .manager import CacheConfig, KVCacheManager
 from .naive import NoPrefixCache
@@ -15,6 +15,7 @@ from .req_table import ReqToTokenPool, RowWrite, TableDiff
 from .tree_node import TreeNode
 
 __all__ = [
+    "DEFAULT_WRITE_POLICY",
     "WRITE_POLICIES",
     "CacheConfig",
     "CacheEvent",

@@ -43,6 +43,7 @@ from .req_table import SlotArray
 from .tree_node import TreeNode, as_token_array
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+DEFAULT_WRITE_POLICY = "write_through_selective"
 _ITEM = 4
 _EMPTY = np.zeros(0, dtype=np.int32)
 
@@ -56,7 +57,7 @@ class HiRadixCache(RadixCache):
         num_host_pages: int,
         max_context_len: int | None = None,
         event_sink: EventSink | None = None,
-        write_policy: str = "write_through_selective",
+        write_policy: str = DEFAULT_WRITE_POLICY,
         write_through_threshold: int = 2,
     ) -> None:
         if write_policy not in WRITE_POLICIES:

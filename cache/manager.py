@@ -23,7 +23,7 @@ import numpy.typing as npt
 from .allocator import PagedSlotAllocator
 from .base import MatchResult, PrefixCache, PrefixHandle, SizeInfo
 from .events import EventSink
-from .hiradix import HiRadixCache
+from .hiradix import DEFAULT_WRITE_POLICY, HiRadixCache
 from .integrity import check_manager
 from .kv_copies import KVCopies
 from .naive import NoPrefixCache
@@ -37,10 +37,10 @@ class CacheConfig:
     num_pages: int
     max_running_requests: int
     max_context_len: int
-    page_size: int = 1
+    page_size: int  # the table shape comes from the engine's scheduler config, no default here
     enable_prefix_cache: bool = True
     num_host_pages: int = 0  # > 0: a host tier of this many pages (hiradix.py)
-    write_policy: str = "write_through_selective"
+    write_policy: str = DEFAULT_WRITE_POLICY
     write_through_threshold: int = 2
 
     def __post_init__(self) -> None:

@@ -13,7 +13,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from raydix.engine.config import EngineConfig, SchedulerConfig
 from raydix.router.policy import RoutingPolicyConfig
-from raydix.workers.config import ModelConfig, WorkerConfig
+from raydix.router.state import MAX_APPROX_TOKENS
+from raydix.workers.config import DEFAULT_SHAPE, ModelConfig, WorkerConfig
 
 DEFAULT_MODEL = "default"
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
@@ -114,8 +115,9 @@ class AppConfig(BaseModel):
     cpu_memory_budget_gib: float = Field(
         2.0, gt=0, description="on CPU: memory that stands in for free device memory"
     )
-    page_size: int = Field(1, ge=1, description="KV slots per page")
-    max_running_requests: int = Field(64, ge=1, description="requests decoded together")
+    page_size: int = Field(DEFAULT_SHAPE.page_size, ge=1, description="KV slots per page")
+    max_running_requests: int = Field(DEFAULT_SHAPE.max_running_requests, ge=1,
+                                      description="requests decoded together")
     max_waiting_requests: int = Field(
         256, ge=0, description="requests queued beyond the running ones before 503"
     )
@@ -178,7 +180,7 @@ class AppConfig(BaseModel):
         "or its own routing decisions, with an LRU cap (approximate: no events are sent)",
     )
     router_approx_tokens: int = Field(
-        4_000_000, ge=1, description="cache_aware, approximate: most tokens the router's tree keeps"
+        MAX_APPROX_TOKENS, ge=1, description="cache_aware, approximate: most tokens the router's tree keeps"
     )
     router_decision_timeout_s: float = Field(
         0.05, gt=0, description="cache_aware: wait this long for the router, then route by load"

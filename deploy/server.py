@@ -49,6 +49,7 @@ from raydix.engine.request import GenerationParams, RequestOutput
 from raydix.router.actor import get_or_create_router
 from raydix.router.policy import RoutingPolicyConfig
 from raydix.router.reporter import LoadReport, ReplicaReporter
+from raydix.router.state import MAX_APPROX_TOKENS
 
 from .cpu_threads import use_cpu_threads
 from .replica_facts import ReplicaFacts, StartupLog, replica_facts
@@ -74,7 +75,7 @@ class ReplicaSettings:
     max_waiting_requests: int = 256  # admission bound beyond the running requests
     startup_timeout_s: float = 600.0  # bound on starting the ranks
     router_events: bool = True  # cache_aware: send the cache's events (exact mode)
-    router_approx_tokens: int = 4_000_000  # cache_aware without events: the tree's cap
+    router_approx_tokens: int = MAX_APPROX_TOKENS  # cache_aware without events: the tree's cap
     debug_cache_audit: bool = False  # audit the KV cache manager in idle stats calls (slow)
     cpu_threads: int | None = None  # the in-process rank's threads; None: leave them be
 

@@ -1,11 +1,16 @@
-"""The engine's settings (one replica): scheduling limits and the workers' settings."""
+"""The engine's settings (one replica): scheduling limits and the workers' settings.
+
+The table shape (`TableShape`: page size, request rows, context length, step size) is set once,
+on the scheduler config; `EngineConfig.build` derives the ranks' copy from it, and an
+`EngineConfig` whose two halves disagree is refused, naming the field.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from raydix.cache import WRITE_POLICIES
-from raydix.workers.config import WorkerConfig
+from raydix.cache import DEFAULT_WRITE_POLICY, WRITE_POLICIES
+from raydix.workers.config import DEFAULT_SHAPE, TABLE_SHAPE_FIELDS, TableShape, WorkerConfig
 
 SCHEDULE_POLICIES = ("fcfs", "lpm", "priority")
 
@@ -14,10 +19,11 @@ SCHEDULE_POLICIES = ("fcfs", "lpm", "priority")
 class SchedulerConfig:
     """How the scheduler forms batches. Token counts are per step."""
 
-    max_running_requests: int = 64
-    max_context_len: int = 4096
-    page_size: int = 1
-    max_prefill_tokens: int = 8192  # new prompt tokens in one step, over all requests
+    # the table shape (`TableShape`), the source the ranks' and the cache manager's copies follow
+    max_running_requests: int = DEFAULT_SHAPE.max_running_requests
+    max_context_len: int = DEFAULT_SHAPE.max_context_len
+    page_size: int = DEFAULT_SHAPE.page_size
+    max_prefill_tokens: int = DEFAULT_SHAPE.max_prefill_tokens  # new prompt tokens in one step
     chunked_prefill_size: int = 2048  # a prompt longer than this is computed in chunks
     schedule_policy: str = "fcfs"
     enable_prefix_cache: bool = True
@@ -28,7 +34,7 @@ class SchedulerConfig:
     max_lpm_waiting: int = 128  # above this many waiting requests, lpm falls back to fcfs
     in_batch_prefix_threshold: int = 32  # 0: off; see engine/admission.py
     # the host KV tier's write policy (cache/hiradix.py), when the ranks have a host pool
-    hicache_write_policy: str = "write_through_selective"
+    hicache_write_policy: str = DEFAULT_WRITE_POLICY
     overlap_schedule: bool = False  # form step N+1 while step N runs (engine.py)
 
     def __post_init__(self) -> None:
@@ -36,15 +42,9 @@ class SchedulerConfig:
             raise ValueError(
                 f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}"
             )
-        for name in (
-            "max_running_requests",
-            "max_context_len",
-            "page_size",
-            "max_prefill_tokens",
-            "chunked_prefill_size",
-        ):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        TableShape.of(self)  # each field >= 1
+        if self.chunked_prefill_size < 1:
+            raise ValueError(f"chunked_prefill_size must be >= 1, got {self.chunked_prefill_size}")
         if self.hicache_write_policy not in WRITE_POLICIES:
             raise ValueError(f"hicache_write_policy must be one of {WRITE_POLICIES}, got "
                              f"{self.hicache_write_policy!r}")
@@ -59,18 +59,36 @@ class EngineConfig:
     worker: WorkerConfig
     scheduler: SchedulerConfig
 
+    def __post_init__(self) -> None:
+        differ = [name for name in TABLE_SHAPE_FIELDS
+                  if getattr(self.worker, name) != getattr(self.scheduler, name)]
+        if differ:
+            raise ValueError("the worker and scheduler configs disagree on the table shape: "
+                             + ", ".join(_disagreement(self.worker, self.scheduler, name)
+                                         for name in differ))
+
+    @property
+    def table_shape(self) -> TableShape:
+        return TableShape.of(self.scheduler)
+
     @classmethod
     def build(cls, worker: WorkerConfig, scheduler: SchedulerConfig | None = None) -> EngineConfig:
-        """Make the two halves agree on the table shape and page size."""
+        """The ranks take the scheduler's table shape. A worker config that set a field of it
+        to something else (not left at the default) is refused, naming the field."""
         scheduler = scheduler or SchedulerConfig()
-        worker = replace(
-            worker,
-            page_size=scheduler.page_size,
-            max_running_requests=scheduler.max_running_requests,
-            max_context_len=scheduler.max_context_len,
-            max_prefill_tokens=scheduler.max_prefill_tokens,
-        )
+        conflicts = [name for name in TABLE_SHAPE_FIELDS
+                     if getattr(worker, name) not in (getattr(DEFAULT_SHAPE, name),
+                                                      getattr(scheduler, name))]
+        if conflicts:
+            raise ValueError("the table shape is set on the scheduler config; the worker config "
+                             "sets it otherwise: " + ", ".join(
+                                 _disagreement(worker, scheduler, name) for name in conflicts))
+        worker = replace(worker, **{name: getattr(scheduler, name) for name in TABLE_SHAPE_FIELDS})
         return cls(worker=worker, scheduler=scheduler)
 
     def rank_config(self, tp_rank: int) -> WorkerConfig:
         return replace(self.worker, tp_rank=tp_rank)
+
+
+def _disagreement(worker: WorkerConfig, scheduler: SchedulerConfig, name: str) -> str:
+    return f"worker {name}={getattr(worker, name)} vs scheduler {name}={getattr(scheduler, name)}"

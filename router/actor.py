@@ -22,7 +22,7 @@ from ray.actor import ActorHandle
 from raydix.cache import CacheEvent
 
 from .policy import RoutingDecision, RoutingPolicyConfig
-from .state import RouterState
+from .state import MAX_APPROX_TOKENS, RouterState
 
 ROUTER_ACTOR_PREFIX = "raydix-router"
 ROUTER_NAMESPACE = "raydix"
@@ -45,7 +45,7 @@ class RouterActor:
         page_size: int,
         policy: RoutingPolicyConfig | None = None,
         exact: bool = True,
-        max_approx_tokens: int = 4_000_000,
+        max_approx_tokens: int = MAX_APPROX_TOKENS,
     ) -> None:
         self._settings: tuple[object, ...] = ()
         self.configure(page_size, policy, exact, max_approx_tokens)
@@ -55,7 +55,7 @@ class RouterActor:
         page_size: int,
         policy: RoutingPolicyConfig | None = None,
         exact: bool = True,
-        max_approx_tokens: int = 4_000_000,
+        max_approx_tokens: int = MAX_APPROX_TOKENS,
     ) -> bool:
         """Start over with these settings if they differ (an application deployed again under
         the same name finds the old actor); returns whether the state was reset."""
@@ -109,7 +109,7 @@ def get_or_create_router(
     page_size: int,
     policy: RoutingPolicyConfig | None = None,
     exact: bool = True,
-    max_approx_tokens: int = 4_000_000,
+    max_approx_tokens: int = MAX_APPROX_TOKENS,
 ) -> ActorHandle[RouterActor]:
     """The application's router actor, made on first use (detached from its creator), on the
     head node: a worker node's loss must not take the router with it. An actor left by an

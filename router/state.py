@@ -62,13 +62,16 @@ class RouterStats:
         return float(np.percentile(self.decision_ns, q)) / 1e3 if self.decision_ns else 0.0
 
 
+MAX_APPROX_TOKENS = 4_000_000  # approximate mode: the tree's default cap, in tokens
+
+
 class RouterState:
     def __init__(
         self,
         page_size: int = 1,
         policy: RoutingPolicyConfig | None = None,
         exact: bool = True,
-        max_approx_tokens: int = 4_000_000,
+        max_approx_tokens: int = MAX_APPROX_TOKENS,
         in_flight_ttl_s: float = 30.0,
     ) -> None:
         self.tree = GlobalPrefixTree(page_size)

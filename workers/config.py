@@ -1,9 +1,10 @@
-"""Frozen configs: what the model looks like (`ModelConfig`) and how a rank runs it (`WorkerConfig`)."""
+"""Frozen configs: what the model looks like (`ModelConfig`), how a rank runs it (`WorkerConfig`),
+and the replica's table shape that every rank and the scheduler share (`TableShape`)."""
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -149,6 +150,33 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
+class TableShape:
+    """The request→token table's shape and the page size, with the step size the ranks' buffers
+    are sized for: one per replica. The scheduler's copy is the source (`SchedulerConfig`); the
+    ranks' (`WorkerConfig`) and the cache manager's (`CacheConfig`) are derived from it, and the
+    engine config refuses a mismatch by name. Its defaults are the only ones written."""
+
+    page_size: int = 1
+    max_running_requests: int = 64  # rows of the request→token table
+    max_context_len: int = 4096  # columns of the request→token table
+    max_prefill_tokens: int = 8192  # most prompt tokens in one step (sizes the activations)
+
+    def __post_init__(self) -> None:
+        for name in TABLE_SHAPE_FIELDS:
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+    @classmethod
+    def of(cls, config: object) -> TableShape:
+        """The shape a config carries (its fields of these names), checked."""
+        return cls(**{name: getattr(config, name) for name in TABLE_SHAPE_FIELDS})
+
+
+TABLE_SHAPE_FIELDS = tuple(f.name for f in fields(TableShape))
+DEFAULT_SHAPE = TableShape()
+
+
+@dataclass(frozen=True)
 class WorkerConfig:
     """How one rank runs its shard. The engine builds one per rank (only `tp_rank` differs)."""
 
@@ -160,10 +188,11 @@ class WorkerConfig:
     # CPU the faster of packed fp32 and bf16, measured at start (layers/packed.py)
     dtype: str | None = None
     attention_backend: str = "torch"  # "torch" or "flashinfer" (CUDA only)
-    page_size: int = 1
-    max_running_requests: int = 64  # rows of the request->token table
-    max_context_len: int = 4096  # columns of the request->token table
-    max_prefill_tokens: int = 8192  # most prompt tokens in one step (sizes the activations)
+    # the table shape (`TableShape`): the engine derives these from its scheduler config
+    page_size: int = DEFAULT_SHAPE.page_size
+    max_running_requests: int = DEFAULT_SHAPE.max_running_requests
+    max_context_len: int = DEFAULT_SHAPE.max_context_len
+    max_prefill_tokens: int = DEFAULT_SHAPE.max_prefill_tokens
     mem_fraction_static: float = 0.85
     max_total_tokens: int | None = None  # cap on KV pool slots (excluding padding)
     cpu_memory_budget_bytes: int = 2 << 30  # stands in for free device memory on CPU
@@ -189,15 +218,12 @@ class WorkerConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.tp_rank < self.tp_size:
             raise ValueError(f"tp_rank {self.tp_rank} must be in [0, tp_size={self.tp_size})")
-        if self.page_size < 1:
-            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        TableShape.of(self)  # each field >= 1
         if not 0.0 < self.mem_fraction_static <= 1.0:
             raise ValueError(f"mem_fraction_static must be in (0, 1], got {self.mem_fraction_static}")
         if self.attention_backend not in ("torch", "flashinfer"):
             raise ValueError(f"attention_backend must be 'torch' or 'flashinfer', "
                              f"got {self.attention_backend!r}")
-        if self.max_running_requests < 1 or self.max_context_len < 1:
-            raise ValueError("max_running_requests and max_context_len must be >= 1")
         if self.kv_pool not in ("auto", "double-sparse"):
             raise ValueError(f"kv_pool must be 'auto' or 'double-sparse', got {self.kv_pool!r}")
         if min(self.ds_heavy_channel_num, self.ds_heavy_token_num) < 1:

@@ -80,7 +80,7 @@ def test_host_lru_evicts_host_only_leaves_and_never_a_node_being_loaded() -> Non
 
 
 def test_manager_loads_a_host_hit_back_and_counts_it_as_cached() -> None:
-    m = KVCacheManager(CacheConfig(num_pages=4, max_running_requests=2, max_context_len=8,
+    m = KVCacheManager(CacheConfig(num_pages=4, max_running_requests=2, max_context_len=8, page_size=1,
                                    num_host_pages=8, write_policy="write_through"))
     cache = m.host_cache
     assert cache is not None
@@ -106,7 +106,7 @@ def test_manager_loads_a_host_hit_back_and_counts_it_as_cached() -> None:
 
 
 def test_a_host_hit_without_device_room_is_computed_instead() -> None:
-    m = KVCacheManager(CacheConfig(num_pages=4, max_running_requests=2, max_context_len=8,
+    m = KVCacheManager(CacheConfig(num_pages=4, max_running_requests=2, max_context_len=8, page_size=1,
                                    num_host_pages=8, write_policy="write_through"))
     row = m.alloc_req(m.match_prefix([1, 2, 3]))
     assert row is not None and m.alloc_slots(row, 3) is not None
@@ -125,10 +125,10 @@ def test_bad_settings_are_refused_by_name() -> None:
     with pytest.raises(ValueError, match="write_policy"):
         HiRadixCache(page_size=1, num_host_pages=4, write_policy="write_around")
     with pytest.raises(ValueError, match="radix cache"):
-        CacheConfig(num_pages=4, max_running_requests=1, max_context_len=8, num_host_pages=4,
+        CacheConfig(num_pages=4, max_running_requests=1, max_context_len=8, page_size=1, num_host_pages=4,
                     enable_prefix_cache=False)
     with pytest.raises(ValueError, match="num_host_pages"):
-        CacheConfig(num_pages=4, max_running_requests=1, max_context_len=8, num_host_pages=-1)
+        CacheConfig(num_pages=4, max_running_requests=1, max_context_len=8, page_size=1, num_host_pages=-1)
 
 
 def test_integrity_catches_a_leaked_host_page() -> None:
