@@ -2,12 +2,14 @@
 # Every check that needs a CUDA machine, in one command (run from the repository root):
 #   1. the GPU tests (pytest -m gpu): flashinfer and CUDA-graph decode against the torch backend;
 #      serve's default config builds the fast path; the KV pool leaves the headroom it promises;
-#      the warm-up compiles the kernels before the engine is ready;
+#      the warm-up compiles the kernels before the engine is ready; each fused op's flashinfer
+#      kernel against its torch code;
 #   2. the engine as `raydix serve` builds it by default (benchmarks/gpu_bench.py), beside
 #      transformers: decode-heavy (1, 16, 64 streams), shared-prefix and mixed workloads, the
 #      decode step's time split and the share of the memory-bandwidth floor at batch 1, for a
 #      ~1B Llama (random weights, TinyLlama-1.1B's shape) and the default model;
-#   3. the worker-level floor report (benchmarks/worker_bench.py).
+#   3. the worker-level floor report (benchmarks/worker_bench.py);
+#   4. kernels per decoder layer of a decode step (benchmarks/kernel_count.py; budget 15).
 # Results go to $OUT when it is set (else ./gpu-check): logs, JSON and markdown tables.
 #
 # It uses the Python environment it finds (`make setup` on a CUDA host installs everything). On a
@@ -25,7 +27,8 @@ fi
 "$PYTHON" -c 'import torch, flashinfer; assert torch.cuda.is_available(), "no CUDA device"
 print("torch", torch.__version__, "flashinfer", flashinfer.__version__, torch.cuda.get_device_name())'
 status=0
-"$PYTHON" -m pytest -m gpu tests/workers/test_gpu.py tests/workers/test_gpu_defaults.py -v \
+"$PYTHON" -m pytest -m gpu tests/workers/test_gpu.py tests/workers/test_gpu_defaults.py \
+  tests/workers/test_fused_ops_gpu.py -v \
   -p no:cacheprovider 2>&1 | tee "$out/pytest-gpu.log" || status=1
 for model in "--synthetic llama-1b" ""; do
   name=${model:+llama-1b}; name=${name:-default}
@@ -35,4 +38,6 @@ for model in "--synthetic llama-1b" ""; do
 done
 "$PYTHON" benchmarks/worker_bench.py --skip-cpu --synthetic llama-1b \
   --json "$out/worker-bench-llama-1b.json" 2>&1 | tee "$out/worker-bench-llama-1b.log" || status=1
+"$PYTHON" benchmarks/kernel_count.py --json "$out/kernel-count.json" 2>&1 \
+  | tee "$out/kernel-count.log" || status=1
 exit $status

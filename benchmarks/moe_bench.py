@@ -13,7 +13,6 @@ import argparse
 import time
 
 import torch
-import torch.nn.functional as F
 
 from raydix.workers.config import MoEConfig
 from raydix.workers.layers.moe import SparseMoE, select_experts
@@ -52,7 +51,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     config = MoEConfig(args.experts, args.top_k, args.intermediate, (True,), renormalize=True)
-    layer = SparseMoE(args.hidden, config, F.silu, SINGLE_RANK)
+    layer = SparseMoE(args.hidden, config, "silu", SINGLE_RANK)
     for p in layer.parameters():
         torch.nn.init.normal_(p, 0.0, 0.02)
     pack_linear_layers(layer, 64)  # as the runner packs every linear on the CPU

@@ -43,7 +43,8 @@ class CudaGraphRunner:
         self.max_batch = self.batch_sizes[-1]
         self.input_ids = torch.zeros(self.max_batch, dtype=torch.int64, device=device)
         self.positions = torch.zeros(self.max_batch, dtype=torch.int64, device=device)
-        self.out_cache_loc = torch.zeros(self.max_batch, dtype=torch.int64, device=device)
+        # int32: the fused K/V append's index type (the copy in `replay` casts)
+        self.out_cache_loc = torch.zeros(self.max_batch, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         backend.init_graph_state(self.batch_sizes, max_context_len)

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .layers.fused import TORCH_OPS, FusedOps
+
 
 @dataclass(frozen=True)
 class KVPoolConfig:
@@ -35,12 +37,14 @@ class KVPoolConfig:
 
 
 class KVPool:
-    """`k_buffers[layer]` / `v_buffers[layer]`: `[num_slots, num_kv_heads, head_dim]`."""
+    """`k_buffers[layer]` / `v_buffers[layer]`: `[num_slots, num_kv_heads, head_dim]`. New
+    tokens are written through the fused-op seam's `store_kv` (`ops`: the runner's choice)."""
 
     def __init__(self, config: KVPoolConfig, device: torch.device | str) -> None:
         if config.num_pages < 1:
             raise ValueError(f"the KV pool needs at least one page, got {config.num_pages}")
         self.config = config
+        self.ops: FusedOps = TORCH_OPS
         shape = (config.num_slots, config.num_kv_heads, config.head_dim)
         self.k_buffers = [torch.zeros(shape, dtype=config.dtype, device=device)
                           for _ in range(config.num_layers)]
@@ -58,9 +62,10 @@ class KVPool:
 
     def set_kv(self, layer_id: int, out_cache_loc: torch.Tensor, k: torch.Tensor,
                v: torch.Tensor) -> None:
-        """Write the new tokens' K/V ([T, heads, head_dim]) at slots `out_cache_loc` ([T])."""
-        self.k_buffers[layer_id][out_cache_loc] = k.to(self.config.dtype)
-        self.v_buffers[layer_id][out_cache_loc] = v.to(self.config.dtype)
+        """Write the new tokens' K/V ([T, heads, head_dim]) at slots `out_cache_loc` ([T],
+        int32 or int64)."""
+        self.ops.store_kv(self.k_buffers[layer_id], self.v_buffers[layer_id], out_cache_loc,
+                          k, v, self.config.page_size)
 
 
 class MLAKVPool:

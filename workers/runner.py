@@ -24,6 +24,7 @@ from .grammar import GrammarCompiler, GrammarTable
 from .host_kv_pool import HostKVPool, available_host_bytes, host_pool_pages, log_host_pool
 from .host_memory import keep_freed_memory
 from .kv_pool import KVPool, KVPoolConfig, MLAKVPool
+from .layers.fused import fused_ops_for
 from .layers.packed import (
     native_bf16,
     pack_linear_layers,
@@ -76,6 +77,11 @@ class ModelRunner:
         dtype = self._pick_dtype()
         self.dtype = dtype
         self.model = load_model(config.model_path, mc, group, dtype, self.device)
+        # the fused steps (norms, rope, activations, K/V writes) go with the attention backend:
+        # flashinfer's kernels beside flashinfer's attention, plain torch otherwise
+        self.fused_ops = fused_ops_for(
+            "fused" if config.attention_backend == "flashinfer" else "torch")
+        self.model.use_fused_ops(self.fused_ops)
         if self.device.type == "cpu" and config.cpu_packed_linear:
             if packing_supported(self.device, dtype):
                 pack_linear_layers(self.model, config.max_running_requests)  # the only copy
@@ -120,6 +126,8 @@ class ModelRunner:
             self.backend = make_backend(
                 config.attention_backend, self.kv_pool, self.req_to_token, heads.num_q_heads,
                 mc.head_dim, self.model.layer_attention(), mc.mla)
+        if isinstance(self.kv_pool, KVPool):
+            self.kv_pool.ops = self.fused_ops
         self.host_pool = self._make_host_pool() if config.host_tier else None
         if (isinstance(self.backend, TorchAttentionBackend) and self.device.type == "cpu"
                 and config.cpu_compiled_attention):

@@ -78,7 +78,7 @@ def test_routing_matches_transformers(kind: str) -> None:
 
 def test_grouped_loop_equals_a_per_token_loop_and_skips_idle_experts() -> None:
     torch.manual_seed(1)
-    experts = torch.nn.ModuleList(ExpertMLP(HIDDEN, 24, F.silu, SINGLE_RANK)
+    experts = torch.nn.ModuleList(ExpertMLP(HIDDEN, 24, "silu", SINGLE_RANK)
                                   for _ in range(EXPERTS))
     for p in experts.parameters():
         torch.nn.init.normal_(p, 0.0, 0.3)

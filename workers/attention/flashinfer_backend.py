@@ -93,7 +93,7 @@ class FlashInferAttentionBackend(AttentionBackend):
     # ---- eager steps ------------------------------------------------------------------------
 
     def prepare(self, batch: ForwardBatch) -> None:
-        self._out_cache_loc = batch.out_cache_loc
+        self._out_cache_loc = batch.out_cache_loc.to(torch.int32)  # once a step, not a layer
         indptr, indices, last = self._page_table(batch.row_idx, batch.seq_lens)
         dtype = self.pool.config.dtype
         if batch.is_decode:
@@ -120,7 +120,9 @@ class FlashInferAttentionBackend(AttentionBackend):
         k_cache = self.pool.k_buffers[layer_id].view(shape)
         v_cache = self.pool.v_buffers[layer_id].view(shape)
         wrapper = self._wrappers[self.layer_kind[layer_id]]
-        out = wrapper.run(q.contiguous(), (k_cache, v_cache))  # type: ignore[attr-defined]
+        # q may be a strided view of the qkv projection: the kernels read its row and head
+        # strides (the last dim is contiguous), so it is not copied
+        out = wrapper.run(q, (k_cache, v_cache))  # type: ignore[attr-defined]
         return out.view(q.shape[0], -1)
 
     # ---- CUDA graphs ------------------------------------------------------------------------
@@ -144,7 +146,8 @@ class FlashInferAttentionBackend(AttentionBackend):
     def plan_graph(self, graph_bs: int, row_idx: np.ndarray, seq_lens: np.ndarray,
                    out_cache_loc: torch.Tensor) -> None:
         """Plan a decode of len(row_idx) requests padded to `graph_bs` on the graph wrapper.
-        `out_cache_loc` is the graph's static slot buffer."""
+        `out_cache_loc` is the graph's static slot buffer (int32: the paged append's index
+        type)."""
         indptr, indices, last = self._page_table(row_idx, seq_lens, graph_bs - len(row_idx))
         dtype = self.pool.config.dtype
         self._wrappers = []

@@ -13,18 +13,15 @@ scatters the weighted outputs back. Experts that got no token are skipped.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..config import MoEConfig
 from ..parallel import SINGLE_RANK, TPGroup, shard_range
+from .fused import UsesFusedOps
 from .linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
 from .source import CheckpointTensor, copy_checked
-
-Activation = Callable[[torch.Tensor], torch.Tensor]
 
 
 def select_experts(router_logits: torch.Tensor, config: MoEConfig,
@@ -74,11 +71,11 @@ class ReplicatedLinear(ColumnParallelLinear):
         super().__init__(in_features, out_features, bias, SINGLE_RANK, out_shard=(0, out_features))
 
 
-class ExpertMLP(nn.Module):
+class ExpertMLP(nn.Module, UsesFusedOps):
     """One expert (or the shared experts): `down(act(gate(x)) * up(x))`, this rank's slice of
     the intermediate dimension. The output is this rank's partial sum: the caller reduces."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, act: Activation,
+    def __init__(self, hidden_size: int, intermediate_size: int, act: str,
                  group: TPGroup) -> None:
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2,
@@ -90,8 +87,7 @@ class ExpertMLP(nn.Module):
         self.act = act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+        return self.down_proj(self.ops.act_and_mul(self.act, self.gate_up_proj(x)))
 
 
 class Router(nn.Module):
@@ -134,7 +130,7 @@ class SparseMoE(nn.Module):
     `shared_experts` (DeepSeek) or `shared_expert` + `shared_expert_gate` (Qwen2-MoE).
     """
 
-    def __init__(self, hidden_size: int, config: MoEConfig, act: Activation,
+    def __init__(self, hidden_size: int, config: MoEConfig, act: str,
                  group: TPGroup) -> None:
         super().__init__()
         self.config = config

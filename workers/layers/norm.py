@@ -1,14 +1,18 @@
-"""RMSNorm, optionally fused with the residual add, and Gemma's (1 + weight) variant."""
+"""RMSNorm, optionally fused with the residual add, and Gemma's (1 + weight) variant; the
+computation is the fused-op seam's (fused.py)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from .fused import UsesFusedOps
 from .source import CheckpointTensor, copy_checked
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(nn.Module, UsesFusedOps):
+    gemma = False  # scale by (1 + weight), in float32 (Gemma)
+
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.eps = eps
@@ -18,25 +22,16 @@ class RMSNorm(nn.Module):
                       shard_id: str | int | None = None) -> None:
         copy_checked(param, loaded.read())
 
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
-
     def forward(self, x: torch.Tensor,
                 residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (normed, new residual); the residual is `x (+ residual)` before the norm."""
-        if residual is not None:
-            x = x + residual
-        return self._norm(x), x
+        """Returns (normed, new residual); the residual is `x (+ residual)` before the norm.
+        With a residual, x and residual may be overwritten (the fused kernel works in place)."""
+        if residual is None:
+            return self.ops.rmsnorm(x, self.weight, self.eps, self.gemma), x
+        return self.ops.add_rmsnorm(x, residual, self.weight, self.eps, self.gemma)
 
 
 class GemmaRMSNorm(RMSNorm):
     """Gemma's RMSNorm: scales by (1 + weight), in float32, then casts back."""
 
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (x * (1.0 + self.weight.float())).to(dtype)
+    gemma = True

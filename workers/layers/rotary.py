@@ -18,6 +18,7 @@ import math
 import torch
 
 from ..config import RopeConfig
+from .fused import TORCH_OPS, FusedOps
 
 
 def rotary_dim(head_dim: int, rope: RopeConfig) -> int:
@@ -103,33 +104,22 @@ def rope_angles(head_dim: int, rope: RopeConfig, max_position: int) -> torch.Ten
 
 
 class RotaryEmbedding:
-    """cos/sin tables for positions [0, max_position). Not a module: the model builds it on the
-    real device after the meta build (`init_buffers`)."""
+    """cos/sin table for positions [0, max_position), applied through the fused-op seam. Not a
+    module: the model builds it on the real device after the meta build (`init_buffers`)."""
 
     def __init__(self, head_dim: int, rope: RopeConfig, max_position: int,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", ops: FusedOps = TORCH_OPS) -> None:
         self.head_dim = head_dim
         self.rotary_dim = rotary_dim(head_dim, rope)
         self.max_position = max_position
         self.rope = rope
+        self.ops = ops
         freqs = rope_angles(head_dim, rope, max_position).to(device)
-        self.cos = freqs.cos() * rope.attention_factor  # [max_position, rotary_dim / 2]
-        self.sin = freqs.sin() * rope.attention_factor
+        # [max_position, rotary_dim]: each row [cos | sin], float32 (flashinfer's cache layout)
+        self.cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1) * rope.attention_factor
 
     def apply(self, positions: torch.Tensor, q: torch.Tensor,
               k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, Hq, D], k: [T, Hk, D]; returns both rotated, in their input dtype."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        if self.rotary_dim == self.head_dim:
-            return _rotate(q, cos, sin), _rotate(k, cos, sin)
-        r = self.rotary_dim
-        return (torch.cat((_rotate(q[..., :r], cos, sin), q[..., r:]), dim=-1),
-                torch.cat((_rotate(k[..., :r], cos, sin), k[..., r:]), dim=-1))
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half].float(), x[..., half:].float()
-    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    return out.to(x.dtype)
+        """q: [T, Hq, D], k: [T, Hk, D]; returns both rotated, in their input dtype (q and k
+        may be rotated in place)."""
+        return self.ops.rope(positions, q, k, self.cos_sin)

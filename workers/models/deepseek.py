@@ -26,13 +26,14 @@ from torch import nn
 from ..attention.base import AttentionBackend
 from ..config import MLAConfig, ModelConfig
 from ..layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from ..layers.fused import TORCH_OPS
 from ..layers.linear import ColumnParallelLinear, RowParallelLinear
 from ..layers.moe import ReplicatedLinear, SparseMoE
 from ..layers.norm import RMSNorm
 from ..layers.rotary import RotaryEmbedding
 from ..layers.source import CheckpointTensor
 from ..parallel import TPGroup, head_shard
-from .llama import ACTIVATIONS, LlamaForCausalLM, LlamaMLP
+from .llama import LlamaForCausalLM, LlamaMLP
 
 PACKED_MODULES: dict[str, tuple[str, str | int]] = {
     "gate_proj": ("gate_up_proj", 0),
@@ -131,7 +132,7 @@ class DeepseekDecoderLayer(nn.Module):
         moe = config.moe
         self.mlp: nn.Module
         if moe is not None and moe.sparse_layers[layer_id]:
-            self.mlp = SparseMoE(config.hidden_size, moe, ACTIVATIONS[config.hidden_act], group)
+            self.mlp = SparseMoE(config.hidden_size, moe, config.hidden_act, group)
         else:
             self.mlp = LlamaMLP(config, group)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -176,6 +177,7 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
         self.model = DeepseekModel(config, group)  # type: ignore[assignment]
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, group)
         self.ropes = []
+        self.fused_ops = TORCH_OPS
 
     def checkpoint_parts(self, name: str,
                          tensor: CheckpointTensor) -> Iterator[tuple[str, CheckpointTensor]]:

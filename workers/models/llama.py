@@ -10,15 +10,14 @@ hands it each layer's `LayerAttention` (`layer_attention`).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from functools import partial
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..attention.base import AttentionBackend, LayerAttention
 from ..config import ModelConfig, RopeConfig
 from ..layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from ..layers.fused import TORCH_OPS, FusedOps, UsesFusedOps
 from ..layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from ..layers.norm import RMSNorm
 from ..layers.rotary import RotaryEmbedding
@@ -26,8 +25,6 @@ from ..layers.source import CheckpointTensor
 from ..parallel import TPGroup
 
 NormFactory = Callable[[int, float], RMSNorm]
-ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh")}
 
 # checkpoint module name -> (our module name, shard id)
 PACKED_MODULES: dict[str, tuple[str, str | int]] = {
@@ -71,11 +68,11 @@ class LlamaAttention(nn.Module):
             q = self.q_norm(q)[0]
             k = self.k_norm(k)[0]
         q, k = rope.apply(positions, q, k)
-        out = backend.forward(self.layer_id, q, k, v.contiguous())
+        out = backend.forward(self.layer_id, q, k, v)
         return self.o_proj(out)
 
 
-class LlamaMLP(nn.Module):
+class LlamaMLP(nn.Module, UsesFusedOps):
     def __init__(self, config: ModelConfig, group: TPGroup) -> None:
         super().__init__()
         size = config.intermediate_size
@@ -83,11 +80,10 @@ class LlamaMLP(nn.Module):
                                                        bias=config.mlp_bias, group=group)
         self.down_proj = RowParallelLinear(size, config.hidden_size, bias=config.mlp_bias,
                                            group=group)
-        self.act = ACTIVATIONS[config.hidden_act]
+        self.act = config.hidden_act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+        return self.down_proj(self.ops.act_and_mul(self.act, self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -159,13 +155,24 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(config, group, norm, sandwich, embed_scale)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, group)
         self.ropes: list[RotaryEmbedding] = []  # one per layer; layers of a kind share one
+        self.fused_ops: FusedOps = TORCH_OPS
 
     def init_buffers(self, device: torch.device | str) -> None:
         """Build the non-parameter tables on the real device (after the meta build)."""
         c = self.config
-        tables = {rope: RotaryEmbedding(c.head_dim, rope, _max_positions(c, rope), device)
+        tables = {rope: RotaryEmbedding(c.head_dim, rope, _max_positions(c, rope), device,
+                                        self.fused_ops)
                   for rope in {c.layer_rope(i) for i in range(c.num_layers)}}
         self.ropes = [tables[c.layer_rope(i)] for i in range(c.num_layers)]
+
+    def use_fused_ops(self, ops: FusedOps) -> None:
+        """Run every fused step (norms, rope, activations) through `ops` (layers/fused.py)."""
+        self.fused_ops = ops
+        for module in self.modules():
+            if isinstance(module, UsesFusedOps):
+                module.ops = ops
+        for rope in self.ropes:
+            rope.ops = ops
 
     def layer_attention(self) -> list[LayerAttention]:
         """How each layer attends, for the attention backend."""

@@ -15,7 +15,7 @@ from ..config import ModelConfig
 from ..layers.moe import SparseMoE
 from ..layers.source import CheckpointTensor
 from ..parallel import TPGroup
-from .llama import ACTIVATIONS, LlamaForCausalLM
+from .llama import LlamaForCausalLM
 
 
 class LlamaMoEForCausalLM(LlamaForCausalLM):
@@ -26,10 +26,9 @@ class LlamaMoEForCausalLM(LlamaForCausalLM):
         moe = config.moe
         if moe is None:
             raise ValueError(f"{config.architecture} needs a mixture-of-experts config")
-        act = ACTIVATIONS[config.hidden_act]
         for layer, sparse in zip(self.model.layers, moe.sparse_layers, strict=True):
             if sparse:  # built on the meta device: the dense MLP it replaces cost nothing
-                layer.mlp = SparseMoE(config.hidden_size, moe, act, group)
+                layer.mlp = SparseMoE(config.hidden_size, moe, config.hidden_act, group)
 
 
 _MIXTRAL_NAMES = {"block_sparse_moe": "mlp", "w1": "gate_proj", "w3": "up_proj",
