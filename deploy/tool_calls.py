@@ -166,18 +166,20 @@ def tool_message(parser: ToolParser, text: str, finish_reason: str | None
 
 
 class ToolDeltas:
-    """One streamed choice: its text deltas as content deltas and whole calls."""
+    """One streamed choice: its text deltas as content deltas and call deltas (a call's first
+    delta has its id, type and name; its arguments follow in pieces as they are written)."""
 
     def __init__(self, parser: ToolParser) -> None:
         self._stream = StreamingToolParser(parser)
 
     def feed(self, text: str, finish_reason: str | None
              ) -> tuple[str, list[DeltaToolCall] | None, str | None]:
-        first = self._stream.num_calls
         content, calls = self._stream.feed(text, final=finish_reason is not None)
-        deltas = [DeltaToolCall(index=first + k, id=_call_id(), type="function",
+        deltas = [DeltaToolCall(index=c.call_index, id=_call_id(), type="function",
                                 function=DeltaFunctionCall(name=c.name, arguments=c.arguments))
-                  for k, c in enumerate(calls)]
+                  if c.name is not None else
+                  DeltaToolCall(index=c.call_index, function=DeltaFunctionCall(arguments=c.arguments))
+                  for c in calls]
         if finish_reason == "stop" and self._stream.num_calls:
             finish_reason = "tool_calls"
         return content, deltas or None, finish_reason

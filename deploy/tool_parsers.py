@@ -6,9 +6,13 @@
 - `mistral`: `[TOOL_CALLS][{"name": …, "arguments": {…}}, …]`
 
 Each parser names the text that opens a call (its trigger) and the begin / end strings of one
-call, from which the grammar of a forced call is made (`tool_calls.py`). `StreamingToolParser`
-splits a stream into content deltas and whole calls: text that may still become a trigger is
-held back, and a call is sent once it is complete.
+call, from which the grammar of a forced call is made (`tool_calls.py`). A call's arguments are
+the JSON text the model wrote (normalised only when the call does not open with its name).
+
+`StreamingToolParser` splits a stream into content deltas and call deltas, as vLLM and SGLang
+stream them: text that may still become a trigger is held back; a call's first delta carries its
+name once `{"name": …, "arguments": ` is written, and its arguments follow in pieces as they are
+written, which concatenate to the call's arguments.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ from abc import ABC, abstractmethod
 from typing import NamedTuple
 
 _DECODER = json.JSONDecoder()
+# what opens a call object: its name, then its arguments' key (the arguments' text follows)
+_HEAD = re.compile(r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:arguments|parameters)"\s*:\s*')
 
 
 class ParsedCall(NamedTuple):
@@ -37,6 +43,51 @@ def _call(obj: object, args_key: str) -> ParsedCall | None:
         return None
     args = obj.get(args_key, obj.get("arguments", obj.get("parameters", {})))
     return ParsedCall(obj["name"], json.dumps(args, ensure_ascii=False))
+
+
+def _call_at(text: str, pos: int, obj: object, args_key: str) -> ParsedCall | None:
+    """The call of `obj`, decoded from the text at `pos`, with its arguments as written there
+    (what a stream sends piece by piece) when the object opens with its name."""
+    call = _call(obj, args_key)
+    head = _HEAD.match(text, pos)
+    if call is None or head is None:
+        return call
+    try:
+        args, end = _DECODER.raw_decode(text, head.end())
+    except json.JSONDecodeError:
+        return call
+    written = text[head.end():end]
+    if json.loads(head.group(1)) != call.name or args != json.loads(call.arguments):
+        return call
+    return ParsedCall(call.name, written)
+
+
+class CallPrefix(NamedTuple):
+    name: str
+    arguments: str  # the arguments' JSON text written so far
+    complete: bool  # the arguments are all written
+
+
+def call_prefixes(text: str, start: int) -> list[CallPrefix]:
+    """The calls written in `text` from `start` on, each as far as it goes: a call appears once
+    its head (`{"name": …, "arguments": `) is written, and its arguments grow with the text.
+    Each call's arguments here are a prefix of its arguments in any longer text."""
+    out: list[CallPrefix] = []
+    pos = start
+    while (head := _HEAD.search(text, pos)) is not None:
+        name, begin = json.loads(head.group(1)), head.end()
+        try:
+            args, end = _DECODER.raw_decode(text, begin)
+        except json.JSONDecodeError:
+            opened = begin < len(text) and text[begin] in '{["'
+            out.append(CallPrefix(name, text[begin:] if opened else "", False))
+            break
+        if isinstance(args, int | float) and end == len(text):  # a number may go on
+            out.append(CallPrefix(name, "", False))
+            break
+        out.append(CallPrefix(name, text[begin:end], True))
+        pos = end
+    return out
 
 
 class ToolParser(ABC):
@@ -81,7 +132,7 @@ class HermesParser(ToolParser):
         calls, content, last = [], [], 0
         for m in self._CALL.finditer(text):
             try:
-                call = _call(json.loads(m.group(1)), self.args_key)
+                call = _call_at(text, m.start(1), json.loads(m.group(1)), self.args_key)
             except json.JSONDecodeError:
                 call = None
             if call is None:
@@ -127,7 +178,7 @@ class Llama3JsonParser(ToolParser):
                 obj, end = _DECODER.raw_decode(text, pos)
             except json.JSONDecodeError:
                 return ParseResult(content, calls, False)
-            call = _call(obj, self.args_key)
+            call = _call_at(text, pos, obj, self.args_key)
             if call is None:
                 return ParseResult((content + text[pos:]).strip(), calls, True)
             calls.append(call)
@@ -153,14 +204,39 @@ class MistralParser(ToolParser):
         if start < 0:
             return ParseResult(text.strip(), [], True)
         content = text[:start].strip()
-        body = text[start + len(self.trigger):].lstrip()
-        try:
-            items, _ = _DECODER.raw_decode(body)
-        except json.JSONDecodeError:
+        pos = _skip(text, start + len(self.trigger))
+        if text.startswith("{", pos):  # one call without its list
+            try:
+                obj, _ = _DECODER.raw_decode(text, pos)
+            except json.JSONDecodeError:
+                return ParseResult(content, [], False)
+            call = _call_at(text, pos, obj, self.args_key)
+            return ParseResult(content, [call] if call is not None else [], True)
+        if not text.startswith("[", pos):
             return ParseResult(content, [], False)
-        items = items if isinstance(items, list) else [items]
-        calls = [c for c in (_call(i, self.args_key) for i in items) if c is not None]
+        calls: list[ParsedCall] = []
+        pos = _skip(text, pos + 1)
+        while not text.startswith("]", pos):
+            try:
+                obj, end = _DECODER.raw_decode(text, pos)
+            except json.JSONDecodeError:
+                return ParseResult(content, [], False)
+            call = _call_at(text, pos, obj, self.args_key)
+            if call is not None:
+                calls.append(call)
+            pos = _skip(text, end)
+            if text.startswith(",", pos):
+                pos = _skip(text, pos + 1)
+            elif not text.startswith("]", pos):
+                return ParseResult(content, [], False)
         return ParseResult(content, calls, True)
+
+
+def _skip(text: str, pos: int) -> int:
+    """The position of the first non-whitespace character from `pos` on."""
+    while pos < len(text) and text[pos] in " \t\r\n":
+        pos += 1
+    return pos
 
 
 PARSERS: dict[str, type[ToolParser]] = {
@@ -180,16 +256,26 @@ def parser_for(name: str, chat_template: str | None) -> ToolParser:
     return HermesParser()
 
 
+class CallDelta(NamedTuple):
+    call_index: int  # the call's place in the choice
+    name: str | None  # on the call's first delta only
+    arguments: str  # the next piece of its arguments' JSON text (may be empty)
+
+
 class StreamingToolParser:
-    """Feeds one choice's text deltas; returns the content to send now and the new calls."""
+    """Feeds one choice's text deltas; returns the content to send now and the call deltas."""
 
     def __init__(self, parser: ToolParser) -> None:
         self.parser = parser
         self.text = ""
         self._sent_content = 0
-        self.num_calls = 0
+        self._sent_args: list[int] = []  # per call: the length of its arguments sent
 
-    def feed(self, delta: str, final: bool = False) -> tuple[str, list[ParsedCall]]:
+    @property
+    def num_calls(self) -> int:
+        return len(self._sent_args)
+
+    def feed(self, delta: str, final: bool = False) -> tuple[str, list[CallDelta]]:
         """`final`: the stream ended; text that opened no call is content after all."""
         self.text += delta
         found = [i for t in self.parser.stream_triggers if (i := self.text.find(t)) >= 0]
@@ -199,12 +285,17 @@ class StreamingToolParser:
                                        for t in self.parser.stream_triggers)
             return self._content(len(self.text) - keep), []
         content = self._content(start)
-        calls = self.parser.parse(self.text).calls
-        new = calls[self.num_calls:]
-        self.num_calls = len(calls)
-        if final and not calls:  # a trigger that opened no valid call: plain text
+        deltas = []
+        for i, call in enumerate(call_prefixes(self.text, start)):
+            if i == len(self._sent_args):
+                deltas.append(CallDelta(i, call.name, call.arguments))
+                self._sent_args.append(len(call.arguments))
+            elif len(call.arguments) > self._sent_args[i]:
+                deltas.append(CallDelta(i, None, call.arguments[self._sent_args[i]:]))
+                self._sent_args[i] = len(call.arguments)
+        if final and not self._sent_args:  # a trigger that opened no call: plain text
             content += self._content(len(self.text))
-        return content, new
+        return content, deltas
 
     def _content(self, upto: int) -> str:
         content = self.text[self._sent_content:upto] if upto > self._sent_content else ""

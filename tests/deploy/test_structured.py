@@ -195,7 +195,7 @@ def _check_call(name: str, arguments: str) -> None:
     jsonschema.validate(json.loads(arguments), SCHEMAS[name])
 
 
-def test_a_forced_call_streams_the_same_call(client: openai.OpenAI) -> None:
+def test_a_forced_call_streams_its_arguments_in_pieces(client: openai.OpenAI) -> None:
     kwargs: dict[str, Any] = dict(model=MODEL_NAME, messages=ASK, tools=TOOLS, max_tokens=120,
                                   temperature=1.0, seed=4, tool_choice={
                                       "type": "function", "function": {"name": "get_weather"}})
@@ -204,16 +204,20 @@ def test_a_forced_call_streams_the_same_call(client: openai.OpenAI) -> None:
     [call] = reply.message.tool_calls or []
     assert call.function.name == "get_weather" and call.id.startswith("call_")
     _check_call(call.function.name, call.function.arguments)
-    parts: dict[int, dict[str, str]] = {}
-    reasons = []
+    deltas, reasons = [], []
     for chunk in client.chat.completions.create(stream=True, **kwargs):
         for c in chunk.choices:
             reasons.append(c.finish_reason)
-            for d in c.delta.tool_calls or []:
-                part = parts.setdefault(d.index, {"name": "", "arguments": ""})
-                part["name"] += (d.function.name or "") if d.function else ""
-                part["arguments"] += (d.function.arguments or "") if d.function else ""
-    assert parts == {0: {"name": "get_weather", "arguments": call.function.arguments}}
+            deltas += c.delta.tool_calls or []
+    # the first delta opens the call; its arguments follow in pieces as they are written
+    first, rest = deltas[0], deltas[1:]
+    assert first.index == 0 and first.id and first.id.startswith("call_")
+    assert first.type == "function" and first.function and first.function.name == "get_weather"
+    assert all(d.index == 0 and d.id is None and d.function and d.function.name is None
+               for d in rest)
+    pieces = [d.function.arguments for d in deltas if d.function and d.function.arguments]
+    assert len(pieces) > 1
+    assert "".join(pieces) == call.function.arguments
     assert reasons[-1] == "tool_calls"
 
 

@@ -48,20 +48,67 @@ def test_rendered_calls_parse_back(name: str) -> None:
     assert parser.parse(parser.render(CALLS[:1])).calls == CALLS[:1]
 
 
+def _reassemble(stream: StreamingToolParser, pieces: list[str]
+                ) -> tuple[str, list[ParsedCall], list[int]]:
+    """(content, the calls the deltas build, argument deltas per call); every delta of a call
+    after its first carries no name, and the first comes before any other of that call."""
+    content, names, args, counts = "", [], [], []
+    for k, piece in enumerate(pieces):
+        c, deltas = stream.feed(piece, final=k == len(pieces) - 1)
+        content += c
+        for d in deltas:
+            if d.name is not None:
+                assert d.call_index == len(names)
+                names.append(d.name)
+                args.append("")
+                counts.append(0)
+            else:
+                assert d.call_index < len(names) and d.arguments
+            args[d.call_index] += d.arguments
+            counts[d.call_index] += bool(d.arguments)
+    return content, [ParsedCall(n, a) for n, a in zip(names, args, strict=True)], counts
+
+
 @pytest.mark.parametrize("name", list(TEXTS))
 @pytest.mark.parametrize("seed", range(5))
 def test_streamed_pieces_reassemble_the_same_calls(name: str, seed: int) -> None:
     text, rng = TEXTS[name], random.Random(seed)
     cuts = sorted(rng.sample(range(1, len(text)), 12))
     pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
-    stream = StreamingToolParser(PARSERS[name])
-    content, calls = "", []
-    for k, piece in enumerate(pieces):
-        c, new = stream.feed(piece, final=k == len(pieces) - 1)
-        content += c
-        calls += new
-    assert calls == CALLS
+    content, calls, _ = _reassemble(StreamingToolParser(PARSERS[name]), pieces)
+    assert calls == CALLS == PARSERS[name].parse(text).calls
     assert content.strip() == "Let me check."
+
+
+@pytest.mark.parametrize("name", list(TEXTS))
+def test_arguments_stream_as_they_are_written(name: str) -> None:
+    """Fed a few characters at a time, a call's arguments arrive in many pieces, each sent as
+    soon as it is written: the name once the call's head is out, before any argument."""
+    text = TEXTS[name]
+    pieces = [text[i:i + 3] for i in range(0, len(text), 3)]
+    stream = StreamingToolParser(PARSERS[name])
+    _, calls, counts = _reassemble(stream, pieces)
+    assert calls == CALLS
+    assert all(n >= len(c.arguments) // 3 - 1 for n, c in zip(counts, CALLS, strict=True))
+    # the arguments sent so far are always the start of the call's arguments
+    stream = StreamingToolParser(PARSERS[name])
+    head = text.index(CALLS[0].arguments)
+    stream.feed(text[:head + 10])
+    assert stream.feed("")[1] == []  # nothing new, nothing sent
+    _, rest = stream.feed(text[head + 10:head + 20])
+    assert rest == [(0, None, CALLS[0].arguments[10:20])]
+
+
+def test_a_number_at_the_end_of_the_text_is_held_until_it_ends() -> None:
+    stream = StreamingToolParser(Llama3JsonParser())
+    assert stream.feed('{"name": "f", "parameters": 12') == ("", [(0, "f", "")])
+    assert stream.feed("3}") == ("", [(0, None, "123")])
+
+
+def test_arguments_keep_the_model_s_own_spacing() -> None:
+    [call] = HermesParser().parse('<tool_call>{"name":"f","arguments":{"a":[1,2]}}</tool_call>'
+                                  ).calls
+    assert call.arguments == '{"a":[1,2]}'  # what a stream sends piece by piece
 
 
 def test_text_without_calls_streams_as_it_comes_holding_back_a_possible_trigger() -> None:
