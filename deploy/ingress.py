@@ -208,7 +208,7 @@ class OpenAIIngress:
         choices = make_choices(request_id, prompts, params, body.n)
         head = ResponseHead(id=request_id, model=self.model_name, n=body.n,
                             want_logprobs=params.sampling.return_logprob,
-                            token_text=self._token_text, tool_parser=tool_parser)
+                            tool_parser=tool_parser)
         track = self.metrics.track(chat)
         streams = ChoiceStreams(self.engine, choices)
         await streams.start()
@@ -310,9 +310,6 @@ class OpenAIIngress:
         text = self.tokenizer.apply_chat_template(messages, tools=template_tools,
                                                   add_generation_prompt=True, tokenize=False)
         return list(self.tokenizer.encode(str(text), add_special_tokens=False))
-
-    def _token_text(self, token_id: int) -> str:
-        return str(self.tokenizer.decode([token_id]))
 
     # ----------------------------------------------------------------------- edge checks
     def _check_auth(self, request: Request) -> None:

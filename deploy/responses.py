@@ -1,9 +1,12 @@
-"""Engine outputs → OpenAI response bodies, whole or as server-sent events."""
+"""Engine outputs → OpenAI response bodies, whole or as server-sent events.
+
+Logprob token texts come with the outputs (the engine's output processor decodes each token
+once); nothing here decodes."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from pydantic import BaseModel
@@ -29,7 +32,6 @@ from .tool_calls import ToolDeltas, tool_message
 from .tool_parsers import ToolParser
 
 Events = AsyncIterator[tuple[int, RequestOutput]]
-TokenText = Callable[[int], str]  # one token id as text
 Top = tuple[tuple[int, float], ...]  # one position's likeliest tokens: (token id, logprob)
 
 
@@ -39,6 +41,8 @@ class ChoiceResult:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[Top] = field(default_factory=list)
+    token_texts: list[str] = field(default_factory=list)
+    top_token_texts: list[tuple[str, ...]] = field(default_factory=list)
     finish_reason: str | None = None
     usage: Usage | None = None
 
@@ -47,6 +51,8 @@ class ChoiceResult:
         self.token_ids += out.new_token_ids
         self.logprobs += out.logprobs
         self.top_logprobs += out.top_logprobs
+        self.token_texts += out.token_texts
+        self.top_token_texts += out.top_token_texts
         self.usage = out.usage
         if out.finish_reason is not None:
             self.finish_reason = out.finish_reason.value
@@ -58,7 +64,6 @@ class ResponseHead:
     model: str
     n: int  # choices per prompt
     want_logprobs: bool
-    token_text: TokenText
     created: int = field(default_factory=lambda: int(time.time()))
     tool_parser: ToolParser | None = None  # chat with tools: calls parsed out of the text
 
@@ -78,40 +83,51 @@ def usage_info(results: list[ChoiceResult], n: int) -> UsageInfo:
                      prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
 
-def _completion_logprobs(head: ResponseHead, token_ids: list[int], logprobs: list[float],
-                         tops: list[Top], offset: int) -> CompletionLogprobs | None:
+def _positions(r: ChoiceResult | RequestOutput
+               ) -> list[tuple[str, float, list[tuple[str, float]]]]:
+    """Per output token: its text, its logprob, and its likeliest tokens as (text, logprob)."""
+    texts, tops, top_texts = r.token_texts, r.top_logprobs, r.top_token_texts
+    if not tops:
+        tops, top_texts = [()] * len(texts), [()] * len(texts)
+    return [(text, lp, [(alt_text, alt_lp) for alt_text, (_, alt_lp)
+                        in zip(alt_texts, top, strict=True)])
+            for text, lp, top, alt_texts in zip(texts, r.logprobs, tops, top_texts, strict=True)]
+
+
+def _completion_logprobs(head: ResponseHead, r: ChoiceResult | RequestOutput,
+                         offset: int) -> CompletionLogprobs | None:
     """`logprobs=N`: each position's N likeliest tokens, and the sampled one (as OpenAI's legacy
     API and vLLM); with N = 0 the sampled one alone."""
     if not head.want_logprobs:
         return None
-    tokens = [head.token_text(t) for t in token_ids]
+    positions = _positions(r)
     offsets = []
-    for tok in tokens:
+    for text, _, _ in positions:
         offsets.append(offset)
-        offset += len(tok)
+        offset += len(text)
     top_dicts = []
-    for tok, lp, top in zip(tokens, logprobs, tops or [()] * len(tokens), strict=True):
+    for text, lp, top in positions:
         alternatives: dict[str, float] = {}
-        for t, alt_lp in top:
-            alternatives.setdefault(head.token_text(t), alt_lp)
-        alternatives.setdefault(tok, lp)
+        for alt_text, alt_lp in top:
+            alternatives.setdefault(alt_text, alt_lp)
+        alternatives.setdefault(text, lp)
         top_dicts.append(alternatives)
-    return CompletionLogprobs(tokens=tokens, token_logprobs=list(logprobs),
-                              top_logprobs=top_dicts, text_offset=offsets)
+    return CompletionLogprobs(tokens=[text for text, _, _ in positions],
+                              token_logprobs=list(r.logprobs), top_logprobs=top_dicts,
+                              text_offset=offsets)
 
 
 def _token_logprob(text: str, logprob: float) -> TokenLogprob:
     return TokenLogprob(token=text, logprob=logprob, bytes=list(text.encode()))
 
 
-def _chat_logprobs(head: ResponseHead, token_ids: list[int], logprobs: list[float],
-                   tops: list[Top]) -> ChatLogprobs | None:
+def _chat_logprobs(head: ResponseHead, r: ChoiceResult | RequestOutput) -> ChatLogprobs | None:
     if not head.want_logprobs:
         return None
     content = []
-    for t, lp, top in zip(token_ids, logprobs, tops or [()] * len(token_ids), strict=True):
-        entry = _token_logprob(head.token_text(t), lp)
-        entry.top_logprobs = [_token_logprob(head.token_text(alt), alt_lp) for alt, alt_lp in top]
+    for text, lp, top in _positions(r):
+        entry = _token_logprob(text, lp)
+        entry.top_logprobs = [_token_logprob(alt_text, alt_lp) for alt_text, alt_lp in top]
         content.append(entry)
     return ChatLogprobs(content=content)
 
@@ -125,8 +141,7 @@ async def collect(events: Events, num_choices: int) -> list[ChoiceResult]:
 
 def completion_response(head: ResponseHead, results: list[ChoiceResult]) -> CompletionResponse:
     choices = [CompletionChoice(index=i, text=r.text, finish_reason=r.finish_reason,
-                                logprobs=_completion_logprobs(head, r.token_ids, r.logprobs,
-                                                              r.top_logprobs, 0))
+                                logprobs=_completion_logprobs(head, r, 0))
                for i, r in enumerate(results)]
     return CompletionResponse(id=head.id, created=head.created, model=head.model,
                               choices=choices, usage=usage_info(results, head.n))
@@ -139,7 +154,7 @@ def chat_response(head: ResponseHead, results: list[ChoiceResult]) -> ChatComple
         if head.tool_parser is not None:
             message, reason = tool_message(head.tool_parser, r.text, reason)
         choices.append(ChatChoice(index=i, message=message, finish_reason=reason, logprobs=(
-            _chat_logprobs(head, r.token_ids, r.logprobs, r.top_logprobs))))
+            _chat_logprobs(head, r))))
     return ChatCompletionResponse(id=head.id, created=head.created, model=head.model,
                                   choices=choices, usage=usage_info(results, head.n))
 
@@ -159,8 +174,7 @@ async def completion_sse(head: ResponseHead, events: Events, num_choices: int,
         choice = CompletionChoice(
             index=i, text=out.text,
             finish_reason=out.finish_reason.value if out.finish_reason else None,
-            logprobs=_completion_logprobs(head, list(out.new_token_ids), list(out.logprobs),
-                                          list(out.top_logprobs), offset))
+            logprobs=_completion_logprobs(head, out, offset))
         yield _sse(CompletionResponse(id=head.id, created=head.created, model=head.model,
                                       choices=[choice]))
     if include_usage:
@@ -191,8 +205,7 @@ async def chat_sse(head: ResponseHead, events: Events, num_choices: int,
             index=i, delta=ChatDelta(content=content if content or not calls else None,
                                      tool_calls=calls),
             finish_reason=reason,
-            logprobs=_chat_logprobs(head, list(out.new_token_ids), list(out.logprobs),
-                                    list(out.top_logprobs)))])
+            logprobs=_chat_logprobs(head, out))])
     if include_usage:
         yield chunk([], usage_info(results, head.n))
     yield "data: [DONE]\n\n"

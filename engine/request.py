@@ -88,6 +88,10 @@ class RequestOutput(NamedTuple):
     logprobs: tuple[float, ...] = ()
     # per new token, the likeliest tokens as (token id, logprob), likeliest first
     top_logprobs: tuple[tuple[tuple[int, float], ...], ...] = ()
+    # with logprobs, the text of each new token alone and of each of its likeliest tokens
+    # (`decode([token_id])`, the output processor's), so the frontend decodes nothing again
+    token_texts: tuple[str, ...] = ()
+    top_token_texts: tuple[tuple[str, ...], ...] = ()
 
     @property
     def finished(self) -> bool:

@@ -167,7 +167,7 @@ def test_logprobs(client: openai.OpenAI) -> None:
 
 
 def test_top_logprobs(client: openai.OpenAI) -> None:
-    """The formats; the values are checked against transformers in tests/cluster."""
+    """The formats; the values are checked against transformers in tests/engine."""
     out = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=4,
                                     temperature=0, logprobs=3)
     lp = out.choices[0].logprobs
