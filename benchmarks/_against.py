@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
-SUBPACKAGES = ("cache", "workers", "cluster", "router", "deploy")
+SUBPACKAGES = ("cache", "workers", "engine", "cluster", "router", "deploy")  # those REV has
 WORKLOADS = ("one stream", "lone prompt", "shared prefix", "mixed", "KV tokens")
 LOWER_IS_BETTER = {"lone prompt"}
 
@@ -48,7 +48,8 @@ def checkout(rev: str) -> Path:
         pkg.mkdir(parents=True)
         (pkg / "__init__.py").symlink_to(tree / "raydix" / "__init__.py")
         for sub in SUBPACKAGES:
-            (pkg / sub).symlink_to(tree / sub)
+            if (tree / sub).is_dir():  # engine/ was split out of cluster/
+                (pkg / sub).symlink_to(tree / sub)
     return base / "path"
 
 
