@@ -11,6 +11,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from raydix.engine.async_engine import MAX_WAITING_REQUESTS
 from raydix.engine.config import EngineConfig, SchedulerConfig
 from raydix.router.policy import RoutingPolicyConfig
 from raydix.router.state import MAX_APPROX_TOKENS
@@ -18,6 +19,7 @@ from raydix.workers.config import DEFAULT_SHAPE, ModelConfig, WorkerConfig
 
 DEFAULT_MODEL = "default"
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
+STARTUP_TIMEOUT_S = 600.0  # the default bound on a replica's start-up
 
 
 class AutoscalingSettings(BaseModel):
@@ -97,11 +99,11 @@ class AppConfig(BaseModel):
         "attends over the ds_heavy_token_num tokens that score best on ds_heavy_channel_num key "
         "channels (needs attention_backend torch)"
     )
-    ds_heavy_channel_num: int = Field(16, ge=1, description="double-sparse: key channels per "
+    ds_heavy_channel_num: int = Field(WorkerConfig.ds_heavy_channel_num, ge=1, description="double-sparse: key channels per "
                                       "head that score tokens")
-    ds_heavy_token_num: int = Field(256, ge=1, description="double-sparse: tokens each query "
+    ds_heavy_token_num: int = Field(WorkerConfig.ds_heavy_token_num, ge=1, description="double-sparse: tokens each query "
                                     "head attends over")
-    ds_sparse_decode_threshold: int = Field(1024, ge=0, description="double-sparse: contexts "
+    ds_sparse_decode_threshold: int = Field(WorkerConfig.ds_sparse_decode_threshold, ge=0, description="double-sparse: contexts "
                                             "shorter than this decode densely")
     ds_channel_config: str | None = Field(
         None, description="double-sparse: JSON file of heavy channels per layer and KV head; "
@@ -109,17 +111,20 @@ class AppConfig(BaseModel):
     )
     # memory and scheduling
     mem_fraction_static: float = Field(
-        0.85, gt=0, le=1, description="share of device memory for weights and KV pool"
+        WorkerConfig.mem_fraction_static, gt=0, le=1,
+        description="share of device memory for weights and KV pool"
     )
     max_total_tokens: int | None = Field(None, ge=1, description="cap on KV pool slots")
     cpu_memory_budget_gib: float = Field(
-        2.0, gt=0, description="on CPU: memory that stands in for free device memory"
+        WorkerConfig.cpu_memory_budget_bytes / (1 << 30), gt=0,
+        description="on CPU: memory that stands in for free device memory"
     )
     page_size: int = Field(DEFAULT_SHAPE.page_size, ge=1, description="KV slots per page")
     max_running_requests: int = Field(DEFAULT_SHAPE.max_running_requests, ge=1,
                                       description="requests decoded together")
     max_waiting_requests: int = Field(
-        256, ge=0, description="requests queued beyond the running ones before 503"
+        MAX_WAITING_REQUESTS, ge=0,
+        description="requests queued beyond the running ones before 503"
     )
     max_context_len: int | None = Field(
         None, ge=2, description="prompt + output tokens; default: the model's limit, at most 8192"
@@ -192,7 +197,8 @@ class AppConfig(BaseModel):
     max_request_bytes: int = Field(
         1 << 20, ge=1024, description="larger request bodies get 413"
     )
-    startup_timeout_s: float = Field(600.0, gt=0, description="bound on a replica's start-up")
+    startup_timeout_s: float = Field(STARTUP_TIMEOUT_S, gt=0,
+                                     description="bound on a replica's start-up")
     health_check_period_s: float = Field(
         5.0, gt=0, description="how often Serve checks each engine replica (its loop and ranks)"
     )

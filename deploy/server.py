@@ -40,7 +40,7 @@ from ray.actor import ActorHandle
 from ray.serve.handle import DeploymentHandle
 
 from raydix.cache import EventBuffer, EventSink
-from raydix.engine.async_engine import AsyncEngine
+from raydix.engine.async_engine import MAX_WAITING_REQUESTS, AsyncEngine
 from raydix.engine.config import EngineConfig
 from raydix.engine.detokenizer import TokenDecoder
 from raydix.engine.engine import Engine
@@ -51,6 +51,7 @@ from raydix.router.policy import RoutingPolicyConfig
 from raydix.router.reporter import LoadReport, ReplicaReporter
 from raydix.router.state import MAX_APPROX_TOKENS
 
+from .config import STARTUP_TIMEOUT_S
 from .cpu_threads import use_cpu_threads
 from .replica_facts import ReplicaFacts, StartupLog, replica_facts
 from .replica_stats import CacheAudit, ReplicaStats, read_stats, report_loop
@@ -72,8 +73,8 @@ class ReplicaSettings:
     """How an engine replica runs, beyond the engine's own config."""
 
     use_gpu_bundles: bool = False  # ranks sit in GPU bundles (else CPU / in-process)
-    max_waiting_requests: int = 256  # admission bound beyond the running requests
-    startup_timeout_s: float = 600.0  # bound on starting the ranks
+    max_waiting_requests: int = MAX_WAITING_REQUESTS  # admission bound beyond the running requests
+    startup_timeout_s: float = STARTUP_TIMEOUT_S  # bound on starting the ranks
     router_events: bool = True  # cache_aware: send the cache's events (exact mode)
     router_approx_tokens: int = MAX_APPROX_TOKENS  # cache_aware without events: the tree's cap
     debug_cache_audit: bool = False  # audit the KV cache manager in idle stats calls (slow)

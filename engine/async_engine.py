@@ -84,10 +84,13 @@ class _Call:
     future: concurrent.futures.Future[object]
 
 
+MAX_WAITING_REQUESTS = 256  # the default admission bound beyond the running requests
+
+
 class AsyncEngine:
     """Runs `engine` in a daemon thread; `generate` streams one request's outputs."""
 
-    def __init__(self, engine: Engine, max_waiting_requests: int = 256,
+    def __init__(self, engine: Engine, max_waiting_requests: int = MAX_WAITING_REQUESTS,
                  retry_after_s: int = 1,
                  on_error: Callable[[BaseException], None] | None = None) -> None:
         if max_waiting_requests < 0:
