@@ -28,7 +28,7 @@ fi
 print("torch", torch.__version__, "flashinfer", flashinfer.__version__, torch.cuda.get_device_name())'
 status=0
 "$PYTHON" -m pytest -m gpu tests/workers/test_gpu.py tests/workers/test_gpu_defaults.py \
-  tests/workers/test_fused_ops_gpu.py -v \
+  tests/workers/test_fused_ops_gpu.py tests/workers/test_staging.py -v \
   -p no:cacheprovider 2>&1 | tee "$out/pytest-gpu.log" || status=1
 for model in "--synthetic llama-1b" ""; do
   name=${model:+llama-1b}; name=${name:-default}

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from .staging import staging_for
 from .step import StepPlan
 
 
@@ -69,12 +70,11 @@ class RequestTable:
 
 
 def to_device(arr: np.ndarray, device: torch.device) -> torch.Tensor:
-    """Host -> device without a sync: through pinned memory (torch's caching host allocator)
-    and a non-blocking copy on CUDA; a zero-copy view on CPU."""
-    t = torch.from_numpy(np.ascontiguousarray(arr))
+    """Host -> device without a sync: on CUDA a non-blocking copy through the process's ring of
+    pinned buffers (staging.py), no pinned allocation per call; on CPU a zero-copy view."""
     if device.type != "cuda":
-        return t
-    return t.pin_memory().to(device, non_blocking=True)
+        return torch.from_numpy(np.ascontiguousarray(arr))
+    return staging_for(device).to_device(arr)
 
 
 def _check_rows(rows: np.ndarray | Sequence[int], max_rows: int) -> None:

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from ..kv_pool import KVPool
+from ..req_table import to_device
 from .base import AttentionBackend, ForwardBatch, LayerAttention
 
 WORKSPACE_BYTES = 256 << 20
@@ -76,8 +77,8 @@ class FlashInferAttentionBackend(AttentionBackend):
         starts = np.cumsum(num_pages) - num_pages
         owner = np.repeat(np.arange(len(row_idx)), num_pages)
         cols = (np.arange(int(num_pages.sum())) - np.repeat(starts, num_pages)) * ps
-        rows_t = torch.from_numpy(row_idx[owner]).to(self.device, non_blocking=True)
-        cols_t = torch.from_numpy(cols).to(self.device, non_blocking=True)
+        rows_t = to_device(row_idx[owner], self.device)  # pinned staging, no host sync
+        cols_t = to_device(cols, self.device)
         indices = torch.div(self.req_to_token[rows_t, cols_t], ps, rounding_mode="floor").int()
         last = seq_lens - (num_pages - 1) * ps
         if num_padding:
