@@ -92,3 +92,7 @@ def test_float32_falls_back_to_torch_exactly() -> None:
     got = FUSED.add_rmsnorm(x.clone(), r.clone(), w, 1e-6)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     assert torch.equal(FUSED.act_and_mul("silu", x), TORCH.act_and_mul("silu", x))
+    k_buf, v_buf = torch.zeros(64, 4, 64, device="cuda"), torch.zeros(64, 4, 64, device="cuda")
+    k, v = torch.randn(3, 4, 64, device="cuda"), torch.randn(3, 4, 64, device="cuda")
+    FUSED.store_kv(k_buf, v_buf, torch.tensor([1, 9, 60], device="cuda").int(), k, v, 16)
+    assert torch.equal(k_buf[[1, 9, 60]], k) and torch.equal(v_buf[[1, 9, 60]], v)

@@ -4,8 +4,8 @@ the plain-torch code of `FusedOps`.
 
 Being operators, each step is one entry in a torch dispatch mode's trace (the kernel-count test
 counts the CUDA path's steps on the CPU through them) and one kernel inside a CUDA graph.
-flashinfer's norm, rope and activation kernels take float16 and bfloat16 only: other dtypes
-(a float32 model on CUDA) run the torch code in the CUDA kernel too. The mutating operators
+flashinfer's norm, rope, activation and append kernels take float16 and bfloat16 only: other
+dtypes (a float32 model on CUDA) run the torch code in the CUDA kernel too. The mutating operators
 (`add_rmsnorm`, `rope`, `store_kv`) work in place on both devices, as flashinfer's kernels do.
 
 The plain `FusedOps` stays the CPU's default: each call through the torch dispatcher costs tens
@@ -141,7 +141,7 @@ _PAGES = _PageIndex()
 
 def _store_kv_cuda(k_buf: torch.Tensor, v_buf: torch.Tensor, slots: torch.Tensor,
                    k: torch.Tensor, v: torch.Tensor, page_size: int) -> None:
-    if (slots.dtype != torch.int32 or k.dtype != k_buf.dtype
+    if (slots.dtype != torch.int32 or k_buf.dtype not in _HALF or k.dtype != k_buf.dtype
             or k_buf.shape[0] % page_size or k.stride(-1) != 1 or v.stride(-1) != 1):
         return _store_kv_cpu(k_buf, v_buf, slots, k, v, page_size)
     from flashinfer import page
