@@ -162,8 +162,18 @@ class AppConfig(BaseModel):
         float("inf"), ge=0, description="ray_prefix: queue-length gap above which Ray's router "
         "routes by load (Ray's default: never)"
     )
+    routing_policy: Literal["ttft", "threshold"] = Field(
+        "ttft", description="cache_aware: the replica with the least expected time to first "
+        "token (its uncached prompt tokens behind its prefill backlog), or the longest match "
+        "above cache_threshold unless the holder is overloaded"
+    )
+    request_cost_tokens: float = Field(
+        32.0, ge=0, description="cache_aware, ttft: what each request on a replica adds to a "
+        "new one's wait, in prompt tokens"
+    )
     cache_threshold: float = Field(
-        0.5, ge=0, le=1, description="cache_aware: least share of the prompt a replica must hold"
+        0.5, ge=0, le=1, description="cache_aware, threshold: least share of the prompt a "
+        "replica must hold"
     )
     balance_abs_threshold: int = Field(
         32, ge=0, description="cache_aware: load gap (requests) above which load wins over cache"
@@ -285,7 +295,9 @@ def routing_policy(config: AppConfig) -> RoutingPolicyConfig | None:
     """The cache-aware policy's settings; None for the other routers."""
     if config.router != "cache_aware":
         return None
-    return RoutingPolicyConfig(cache_threshold=config.cache_threshold,
+    return RoutingPolicyConfig(mode=config.routing_policy,
+                               request_cost_tokens=config.request_cost_tokens,
+                               cache_threshold=config.cache_threshold,
                                balance_abs_threshold=config.balance_abs_threshold,
                                balance_rel_threshold=config.balance_rel_threshold,
                                saturated_kv_usage=config.saturated_kv_usage,

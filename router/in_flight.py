@@ -12,6 +12,12 @@ decision is also recorded here, as "``replica`` will hold this prompt", until:
 
 Each decision is its own entry in a ``GlobalPrefixTree`` (keyed ``(replica, entry id)``), so
 removing one leaves the others' shared prefixes in place.
+
+Each entry also carries the prompt tokens its replica must compute for it (what it did not
+hold when routed); their sum per replica (``backlog``) is that replica's prefill queue as the
+router sees it. An entry is confirmed by the insert event of a path it is a prefix of
+(``confirm_path``), as well as by the tree holding it after a batch of events (``confirm``): a
+replica under cache pressure may evict a prompt in the same batch that inserted it.
 """
 
 from __future__ import annotations
@@ -51,14 +57,17 @@ class InFlightPrefixes:
         # entry -> (aligned prompt, extra key); each replica's entries; deadlines, oldest first
         self._entries: dict[_Entry, tuple[npt.NDArray[np.int32], Hashable]] = {}
         self._by_replica: dict[ReplicaId, set[_Entry]] = {}
+        self._cost: dict[_Entry, float] = {}
+        self._backlog: dict[ReplicaId, float] = {}
         self._deadlines: deque[tuple[float, _Entry]] = deque()
 
     def __len__(self) -> int:
         return len(self._entries)
 
     def add(self, replica: ReplicaId, token_ids: npt.NDArray[np.int32],
-            extra_key: Hashable = None) -> None:
-        """``replica`` was sent this prompt: it will hold its page-aligned part."""
+            extra_key: Hashable = None, cost: float = 0.0) -> None:
+        """``replica`` was sent this prompt: it will hold its page-aligned part, after
+        computing ``cost`` prompt tokens."""
         page = self._tree.page_size
         aligned = token_ids[: len(token_ids) // page * page]
         if not len(aligned):
@@ -67,6 +76,8 @@ class InFlightPrefixes:
         self._tree.insert(entry, aligned, extra_key)
         self._entries[entry] = (aligned, extra_key)
         self._by_replica.setdefault(replica, set()).add(entry)
+        self._cost[entry] = cost
+        self._backlog[replica] = self._backlog.get(replica, 0.0) + cost
         self._deadlines.append((self._clock() + self.ttl_s, entry))
         while len(self._entries) > self.max_entries:
             _, oldest = self._deadlines.popleft()
@@ -96,6 +107,20 @@ class InFlightPrefixes:
             if holds(tokens, extra_key) >= len(tokens):
                 self._remove(entry)
 
+    def confirm_path(self, replica: ReplicaId, path: npt.NDArray[np.int32],
+                     extra_key: Hashable = None) -> None:
+        """``replica`` inserted ``path``: drop its entries that are prefixes of it."""
+        for entry in list(self._by_replica.get(replica, ())):
+            tokens, key = self._entries[entry]
+            if key == extra_key and len(tokens) <= len(path) and np.array_equal(
+                    tokens, path[: len(tokens)]):
+                self._remove(entry)
+
+    def backlog(self, replica: ReplicaId) -> float:
+        """The prompt tokens ``replica`` was routed and has not confirmed (entries expire as
+        in ``match``, when that runs)."""
+        return self._backlog.get(replica, 0.0)
+
     def drop_replica(self, replica: ReplicaId) -> None:
         for entry in list(self._by_replica.get(replica, ())):
             self._remove(entry)
@@ -112,10 +137,17 @@ class InFlightPrefixes:
         self._tree.remove(entry, tokens, 0, extra_key)
         entries = self._by_replica[entry[0]]
         entries.discard(entry)
+        left = self._backlog[entry[0]] - self._cost.pop(entry)
         if not entries:
             del self._by_replica[entry[0]]
+            del self._backlog[entry[0]]
+        else:
+            self._backlog[entry[0]] = max(left, 0.0)
 
     def check_integrity(self) -> None:
         self._tree.check_integrity()
         if sum(len(v) for v in self._by_replica.values()) != len(self._entries):
             raise RuntimeError("the per-replica index disagrees with the entries")
+        for replica, entries in self._by_replica.items():
+            if abs(sum(self._cost[e] for e in entries) - self._backlog[replica]) > 1e-6:
+                raise RuntimeError(f"the backlog of {replica!r} disagrees with its entries")

@@ -1,4 +1,6 @@
-"""The routing decision: cache affinity unless the load is imbalanced.
+"""The threshold routing decision (``mode="threshold"``): cache affinity unless the load is
+imbalanced. The default, ``mode="ttft"``, weighs cached length against queues instead
+(``ttft_policy.py``); this one is kept for comparison.
 
 Given, for one prompt, how many of its tokens each replica holds and each replica's load:
 
@@ -33,13 +35,19 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 ReplicaId = Hashable
 
 
 @dataclass(frozen=True)
 class RoutingPolicyConfig:
+    # ttft: the replica with the least expected time to first token (ttft_policy.py);
+    # threshold: the longest match above cache_threshold unless overloaded (this module)
+    mode: Literal["ttft", "threshold"] = "ttft"
+    # ttft: what each request on a replica (running, waiting or just routed) adds to the wait
+    # of a new one, in prompt tokens, beside the prompt tokens it has yet to compute
+    request_cost_tokens: float = 32.0
     cache_threshold: float = 0.5
     balance_abs_threshold: int = 32
     balance_rel_threshold: float = 1.5
@@ -49,6 +57,10 @@ class RoutingPolicyConfig:
     host_hit_weight: float = 0.5
 
     def __post_init__(self) -> None:
+        if self.mode not in ("ttft", "threshold"):
+            raise ValueError(f"mode must be ttft or threshold, got {self.mode!r}")
+        if self.request_cost_tokens < 0:
+            raise ValueError(f"request_cost_tokens must be >= 0, got {self.request_cost_tokens}")
         if not 0.0 <= self.host_hit_weight <= 1.0:
             raise ValueError(f"host_hit_weight must be in [0, 1], got {self.host_hit_weight}")
         if not 0.0 <= self.cache_threshold <= 1.0:

@@ -27,6 +27,7 @@ from .in_flight import InFlightPrefixes
 from .policy import CacheAwarePolicy, Fullness, RoutingDecision, RoutingPolicyConfig
 from .tier_tree import TierTree
 from .tree import GlobalPrefixTree
+from .ttft_policy import ExpectedTTFTPolicy
 
 ReplicaId = Hashable
 NOT_FULL = Fullness(num_waiting=0, kv_usage=0.0)
@@ -78,7 +79,9 @@ class RouterState:
         self.tier_tree = TierTree(page_size)  # device or host tier (tier_tree.py)
         self._host_tier_replicas: set[ReplicaId] = set()  # those that sent host-tier events
         self.in_flight = InFlightPrefixes(page_size, in_flight_ttl_s)
-        self.policy = CacheAwarePolicy(policy)
+        self.policy = CacheAwarePolicy(policy)  # its config: the settings of either mode
+        self.ttft_policy = ExpectedTTFTPolicy(self.policy.config.request_cost_tokens)
+        self._by_ttft = self.policy.config.mode == "ttft"
         self.exact = exact
         self.max_approx_tokens = max_approx_tokens
         self.replicas: dict[ReplicaId, ReplicaLoad] = {}
@@ -116,15 +119,20 @@ class RouterState:
                 if length > matched.get(name, 0):
                     matched[name] = length
         loads = {name: self.replicas[name].load for name in names}
-        fullness = {name: self.replicas[name].fullness for name in names}
-        decision = self.policy.choose(names, len(tokens), matched, loads, fullness)
+        if self._by_ttft:
+            backlog = {name: self.in_flight.backlog(name) for name in names}
+            decision = self.ttft_policy.choose(names, len(tokens), matched, loads, backlog)
+        else:
+            fullness = {name: self.replicas[name].fullness for name in names}
+            decision = self.policy.choose(names, len(tokens), matched, loads, fullness)
         chosen = self.replicas[decision.replica]
         chosen.num_unreported += 1
         chosen.decisions += 1
         chosen.prompt_tokens += len(tokens)
         chosen.hit_tokens += decision.matched_len
         if self.exact:
-            self.in_flight.add(decision.replica, tokens, extra_key)
+            self.in_flight.add(decision.replica, tokens, extra_key,
+                               cost=len(tokens) - decision.matched_len)
         else:
             aligned = len(tokens) // self.tree.page_size * self.tree.page_size
             self.tree.insert(decision.replica, tokens[:aligned], extra_key)
@@ -165,6 +173,8 @@ class RouterState:
             state.last_event_seq = event.seq
             self.tree.apply_event(replica, event)
             self.tier_tree.apply_event(replica, event)
+            if event.kind is EventKind.INSERTED:
+                self.in_flight.confirm_path(replica, event.token_ids, event.extra_key)
             if event.kind in _HOST_EVENTS:
                 self._host_tier_replicas.add(replica)
         if events:

@@ -93,7 +93,8 @@ def test_router_weighs_a_host_hit_between_a_device_hit_and_a_miss() -> None:
     prompt = np.arange(2, 42, dtype=np.int32)
 
     def state_with(events: dict[str, list[tuple[EventKind, int, int]]]) -> RouterState:
-        state = RouterState(page_size=1, policy=RoutingPolicyConfig(cache_threshold=0.3))
+        state = RouterState(page_size=1, policy=RoutingPolicyConfig(mode="threshold",
+                                                                    cache_threshold=0.3))
         state.set_replicas(["device", "host", "cold"])
         for replica, kinds in events.items():
             state.publish(replica, [CacheEvent(0, EventKind.CLEARED, None, prompt[:0], 0)] + [

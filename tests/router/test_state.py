@@ -6,6 +6,7 @@ import numpy as np
 
 from raydix.cache import EventBuffer, RadixCache
 from raydix.router.in_flight import InFlightPrefixes
+from raydix.router.policy import RoutingPolicyConfig
 from raydix.router.state import RouterState
 
 PROMPT = list(range(100, 164))
@@ -40,7 +41,7 @@ def test_a_request_served_elsewhere_counts_only_until_the_next_report() -> None:
 def test_load_reports_mark_a_full_replica_saturated() -> None:
     """Requests waiting and the pool at ``saturated_kv_usage`` (0.9) of running requests' tokens:
     its hits go to the idlest replica until a report says it has room again."""
-    state = RouterState()
+    state = RouterState(policy=RoutingPolicyConfig(mode="threshold"))
     state.set_replicas(["a", "b"])
     prompts = [[g] * 8 + PROMPT for g in range(3)]
     for prompt in prompts:
@@ -143,7 +144,7 @@ def test_in_flight_records_end_when_events_confirm_them() -> None:
 
 def test_in_flight_records_expire_and_leave_with_their_replica() -> None:
     now = [0.0]
-    state = RouterState(page_size=4)
+    state = RouterState(page_size=4, policy=RoutingPolicyConfig(mode="threshold"))
     state.in_flight = InFlightPrefixes(page_size=4, ttl_s=10.0, clock=lambda: now[0])
     state.set_replicas(["a", "b"])
     first = state.route(PROMPT).replica

@@ -1,0 +1,81 @@
+"""The routing decision by expected time to first token (the cache-aware router's default).
+
+A request's first token waits for the prompt tokens its replica must compute: the part of the
+prompt the replica does not hold, behind the prompt tokens of the requests already routed there
+and not yet computed (the replica's prefill backlog), and a little for each request the replica
+runs (their decode steps share its steps). So each replica's cost, in prompt tokens, is
+
+    (prompt_len - matched) + backlog_tokens + request_cost_tokens * load
+
+and the cheapest replica gets the request. No hit threshold: a holder's cached length is
+weighed against its queue. What follows from it:
+
+- a holder keeps its group's requests while its backlog is shorter than the prefix a cold
+  replica would compute;
+- a hot prefix whose holder falls behind by more than the prefix spills to the replica that is
+  cheapest with the prefix computed again: it becomes a second holder, and from then on the
+  group's requests go to whichever holder is cheaper (the prefix is replicated where load needs
+  it, and only there);
+- a conversation's next turn goes where its earlier turns are cached (a prompt's cached prefix
+  is its session) unless that replica is far behind;
+- a prefix held only in a replica's host tier counts ``host_hit_weight`` per token
+  (``RouterState`` folds that into ``matched``).
+
+Equal costs go to the longer match, then the lesser load, then a rotating start (in replica-name order), so a run of
+cold prompts spreads over idle replicas. The rotation advances only when such a tie is broken.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping, Sequence
+
+from .policy import RoutingDecision
+
+ReplicaId = Hashable
+
+
+class ExpectedTTFTPolicy:
+    def __init__(self, request_cost_tokens: float = 32.0) -> None:
+        if request_cost_tokens < 0:
+            raise ValueError(f"request_cost_tokens must be >= 0, got {request_cost_tokens}")
+        self.request_cost_tokens = request_cost_tokens
+        self._turn = 0
+
+    def cost(self, prompt_len: int, matched: int, backlog: float, load: float) -> float:
+        """A replica's expected wait for this prompt's first token, in prompt tokens."""
+        return (prompt_len - matched) + backlog + self.request_cost_tokens * load
+
+    def choose(
+        self,
+        replicas: Sequence[ReplicaId],
+        prompt_len: int,
+        matched: Mapping[ReplicaId, int],
+        loads: Mapping[ReplicaId, float],
+        backlog: Mapping[ReplicaId, float],
+    ) -> RoutingDecision:
+        """``backlog``: per replica, prompt tokens routed there and not yet computed."""
+        if not replicas:
+            raise ValueError("no replica to route to")
+        best: list[ReplicaId] = []
+        best_key: tuple[float, int, float] | None = None
+        for r in replicas:
+            m, load = matched.get(r, 0), loads.get(r, 0.0)
+            key = (self.cost(prompt_len, m, backlog.get(r, 0.0), load), -m, load)
+            if best_key is None or key < best_key:
+                best, best_key = [r], key
+            elif key == best_key:
+                best.append(r)
+        chosen = best[0]
+        if len(best) > 1:
+            self._turn += 1
+            best.sort(key=str)  # the same turn order whatever order the replicas came in
+            chosen = best[self._turn % len(best)]
+        chosen_len = matched.get(chosen, 0)
+        best_len = max((matched.get(r, 0) for r in replicas), default=0)
+        if best_len == 0:
+            reason = "least_loaded"
+        elif chosen_len == best_len:
+            reason = "cache"
+        else:
+            reason = "balance"
+        return RoutingDecision(chosen, chosen_len, reason)

@@ -1,0 +1,145 @@
+"""The expected-time-to-first-token policy: scripted cases, and the router's decisions against a
+plain reference that reads each replica's own cache and a list of the prompts routed to it."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from raydix.cache import EventBuffer, RadixCache
+from raydix.router.state import RouterState
+from raydix.router.ttft_policy import ExpectedTTFTPolicy
+
+R = ["r0", "r1", "r2"]
+
+
+def test_a_holder_keeps_its_prefix_until_its_backlog_outweighs_it() -> None:
+    policy = ExpectedTTFTPolicy(request_cost_tokens=0)
+    matched = {"r1": 900}
+    # r1 holds 900 of 1,000 tokens: 100 to compute behind 800 queued beats 1,000 on an idle one
+    assert policy.choose(R, 1000, matched, {}, {"r1": 800}) == ("r1", 900, "cache")
+    # behind 950 queued, computing the whole prompt on an idle replica is sooner: it overflows
+    assert policy.choose(R, 1000, matched, {}, {"r1": 950}).reason == "balance"
+
+
+def test_overflow_makes_a_second_holder_then_alternates_between_them() -> None:
+    """A hot prefix brings 40 new tokens a request while a replica computes 25 meanwhile: its
+    holder falls behind until computing the whole prompt elsewhere is sooner, once; from then
+    on the two holders keep up together, and the third replica is left alone."""
+    policy = ExpectedTTFTPolicy(request_cost_tokens=0)
+    prompt, prefix = 1000, 960
+    matched = {"r0": prefix}
+    backlog = dict.fromkeys(R, 0.0)
+    homes = []
+    for _ in range(300):
+        d = policy.choose(R, prompt, matched, {}, backlog)
+        homes.append(d.replica)
+        backlog[d.replica] += prompt - d.matched_len
+        matched[d.replica] = prefix  # the replica computes it (events confirm the prefix)
+        backlog = {r: max(b - 25, 0.0) for r, b in backlog.items()}
+    second = next(r for r in homes if r != "r0")
+    spill = homes.index(second)
+    assert spill > 30 and set(homes[:spill]) == {"r0"}
+    assert set(homes) == {"r0", second}  # one copy only
+    assert homes[spill:].count("r0") > 50 and homes[spill:].count(second) > 50
+    assert max(backlog.values()) < 1000
+
+
+def test_load_counts_per_request() -> None:
+    policy = ExpectedTTFTPolicy(request_cost_tokens=50)
+    loads = {"r0": 4, "r1": 1, "r2": 0}
+    assert policy.choose(R, 100, {"r0": 100}, loads, {}) == ("r2", 0, "balance")  # 200 > 100
+    assert policy.choose(R, 400, {"r0": 400}, loads, {}) == ("r0", 400, "cache")  # 200 < 400
+
+
+def test_cold_prompts_spread_over_idle_replicas() -> None:
+    policy = ExpectedTTFTPolicy()
+    chosen = [policy.choose(R, 64, {}, {}, {}).replica for _ in range(6)]
+    assert sorted(chosen) == sorted(R * 2) and chosen[:3] != chosen[3:4] * 3
+
+
+def test_refuses_a_negative_request_cost() -> None:
+    with pytest.raises(ValueError, match="request_cost_tokens"):
+        ExpectedTTFTPolicy(-1)
+
+
+# ---------------------------------------------------------------- against a plain reference
+def _lcp(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y),
+                min(len(a), len(b)))
+
+
+class Reference:
+    """The rule in plain terms: matched = what the replica's cache holds, or the longest
+    prefix shared with a prompt routed there and not yet in its cache; backlog = the prompt
+    tokens those routed prompts brought that their replica did not hold."""
+
+    def __init__(self, request_cost: float) -> None:
+        self.request_cost = request_cost
+        self.pending: dict[str, list[tuple[list[int], int]]] = {r: [] for r in R}
+        self.turn = 0
+
+    def route(self, prompt: list[int], caches: dict[str, RadixCache],
+              loads: dict[str, int]) -> tuple[str, int]:
+        keys = {}
+        matched = {}
+        for r in R:
+            held = caches[r].match_prefix(np.asarray(prompt, dtype=np.int32)).cached_len
+            matched[r] = max([held] + [_lcp(prompt, p) for p, _ in self.pending[r]])
+            backlog = sum(c for _, c in self.pending[r])
+            cost = len(prompt) - matched[r] + backlog + self.request_cost * loads[r]
+            keys[r] = (cost, -matched[r], loads[r])
+        low = min(keys.values())
+        tied = sorted(r for r in R if keys[r] == low)
+        chosen = tied[0]
+        if len(tied) > 1:
+            self.turn += 1
+            chosen = tied[self.turn % len(tied)]
+        self.pending[chosen].append((prompt, len(prompt) - matched[chosen]))
+        return chosen, matched[chosen]
+
+    def computed(self, r: str, cache: RadixCache, inserted: list[list[int]]) -> None:
+        """r's events arrived: its prompts now held, or prefixes of a path it inserted, end."""
+        def done(p: list[int]) -> bool:
+            held = cache.match_prefix(np.asarray(p, dtype=np.int32)).cached_len
+            return held >= len(p) or any(len(p) <= len(q) and q[: len(p)] == p
+                                         for q in inserted)
+        self.pending[r] = [(p, c) for p, c in self.pending[r] if not done(p)]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_router_state_decides_as_the_reference(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    state = RouterState(page_size=1)
+    state.set_replicas(R)
+    reference = Reference(state.ttft_policy.request_cost_tokens)
+    buffers = {r: EventBuffer() for r in R}
+    caches = {r: RadixCache(event_sink=buffers[r]) for r in R}
+    slots = itertools.count(1)
+    groups = [rng.integers(100, 1000, int(rng.integers(20, 120))).tolist() for _ in range(5)]
+    routed: dict[str, list[list[int]]] = {r: [] for r in R}
+    for _ in range(150):
+        prompt = groups[int(rng.integers(5))] + rng.integers(100, 1000, 8).tolist()
+        loads_now = {r: int(state.replicas[r].load) for r in R}
+        decision = state.route(prompt)
+        expected = reference.route(prompt, caches, loads_now)
+        assert (decision.replica, decision.matched_len) == expected
+        routed[str(decision.replica)].append(prompt)
+        if rng.random() < 0.4:  # a replica computes what it was sent, and may evict
+            r = R[int(rng.integers(3))]
+            inserted = routed[r][: int(rng.integers(0, len(routed[r]) + 1))]
+            del routed[r][: len(inserted)]
+            for p in inserted:
+                caches[r].insert(p, [next(slots) for _ in p])
+            if rng.random() < 0.3:
+                caches[r].evict(int(rng.integers(1, 200)))
+            state.publish(r, buffers[r].drain())
+            reference.computed(r, caches[r], inserted)
+        if rng.random() < 0.2:
+            r = R[int(rng.integers(3))]
+            state.report_load(r, int(rng.integers(0, 4)), int(rng.integers(0, 3)), 0.5)
+    state.in_flight.check_integrity()
+    for r in R:
+        assert state.in_flight.backlog(r) == sum(c for _, c in reference.pending[r])
