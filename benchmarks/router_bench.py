@@ -9,38 +9,35 @@ insert event confirms it (as replicas do after their prefill).
     python benchmarks/router_bench.py decision [--tokens 10000000] [--replicas 16]
         [--in-flight 64]
 
-Serving (HTTP): the shared-prefix workload (16 groups x 16 prompts, a 512-token prefix per group,
-64-token questions, 32 output tokens, shuffled) sent as token ids through the OpenAI API to N
-replicas of the default model, once per router (cache_aware, round_robin, power_of_two). For each:
-cache hit rate (usage cached_tokens / prompt_tokens), output throughput, mean and p99 time to
-first token; then cache_aware's ratios to the others. It starts a local Ray (or joins
---address) and deploys each router's app in turn. `--quick` is a small smoke run for a laptop.
+Serving (HTTP): each router against three workloads (`_router_workloads.py`: tenants under
+cache pressure, Zipf-skewed prefix groups, multi-turn sessions), each with Poisson arrivals and a
+closed loop, sent as token ids through the OpenAI API to `--replicas` replicas with
+`--kv-tokens` of KV pool each. The routers: raydix's cache_aware (expected time to first token),
+round robin, power of two, and Ray Serve LLM's PrefixCacheAffinityRouter with its defaults
+(ray_prefix) and with the `imbalanced_threshold` of 10 its docs show (ray_prefix_10). One app per
+router serves every workload in turn (the same order for every router). Per router and run: hit
+rate (and the workload's ideal), output throughput, TTFT mean / p90 / p99 and the load spread;
+then cache_aware's ratios to each baseline, and a text plot per workload.
 
-Each replica's KV pool holds `--kv-tokens` tokens (default 3,072): its share of the running
-requests plus about four of the sixteen 512-token prefixes, so the prefixes in use (8,192 tokens)
-are more than one replica holds and less than the four hold together. That is the regime a
-cache-aware router is for: round robin makes every replica cache every group, and they evict
-each other's work; cache-aware routing lets each replica keep its own groups. `--kv-tokens
-100000` takes the pressure away (every replica holds everything) for comparison.
+The model is by default a random 4-layer Llama with the real tokenizer (`bench_model`): its
+prefill is costly and its decode cheap, as on a GPU, and a run takes about a minute on a CPU.
 
-    python benchmarks/router_bench.py http [--replicas 4] [--concurrency 32 | --rate R]
-        [--kv-tokens N] [--quick] [--plot benchmarks/router_policies.png] [--json out.json]
-
-By default the load is a closed loop of `--concurrency` requests in flight, so all 32 first
-requests (cold prefixes included) arrive at once. `--rate R` makes it an open loop instead:
-Poisson arrivals at R requests/s, the same offered load for every router.
+    python benchmarks/router_bench.py http [--routers ...] [--workloads tenants zipf sessions]
+        [--modes poisson closed] [--rate tenants=1.5] [--concurrency 12] [--kv-tokens 4096]
+        [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import time
-from typing import Any
+from pathlib import Path
 
-import httpx
 import numpy as np
+from _router_http import run_workload, warm_up
+from _router_report import Results, ratios, table, text_plot
+from _router_workloads import Workload, ideal_hit_rate, sessions, tenants, zipf
 
 from raydix.router.state import RouterState
 
@@ -88,64 +85,69 @@ def decision_latency(num_tokens: int, num_replicas: int, page_size: int, queries
           f"{TARGET_P99_US / p99:.1f}x under)")
 
 
-ROUTERS = ("cache_aware", "round_robin", "power_of_two")
+ROUTERS: dict[str, dict[str, object]] = {
+    "cache_aware": {"router": "cache_aware"},
+    "cache_aware_threshold": {"router": "cache_aware", "routing_policy": "threshold"},
+    "round_robin": {"router": "round_robin"},
+    "power_of_two": {"router": "power_of_two"},
+    "ray_prefix": {"router": "ray_prefix"},  # Ray's defaults: never balances by load
+    "ray_prefix_10": {"router": "ray_prefix", "ray_imbalanced_threshold": 10},  # its docs'
+}
+DEFAULT_ROUTERS = ["cache_aware", "round_robin", "power_of_two", "ray_prefix", "ray_prefix_10"]
+DEFAULT_RATES = {"tenants": 1.5, "zipf": 2.0, "sessions": 1.0}  # sessions (requests) per second
 
 
-def shared_prefix_prompts(groups: int, per_group: int, prefix_len: int, question_len: int,
-                          seed: int = 0) -> list[list[int]]:
-    rng = np.random.default_rng(seed)
-    prefixes = [rng.integers(100, 40_000, prefix_len).tolist() for _ in range(groups)]
-    prompts = [p + rng.integers(100, 40_000, question_len).tolist()
-               for p in prefixes for _ in range(per_group)]
-    return [prompts[i] for i in rng.permutation(len(prompts))]
+def bench_model(folder: Path) -> str:
+    """A random Llama (4 layers, hidden 512) with the default model's tokenizer, made once.
+
+    Its prefill costs about 0.4 ms a token on one thread (1,024 tokens in 0.4 s) while a decode
+    step of a few streams costs tens of milliseconds: prefill dominates TTFT under load, as on
+    a GPU, so cache hits matter; the default model computes about 190 prompt tokens/s when
+    four replicas share two cores, too slow for workloads of long contexts in a minute."""
+    import shutil
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from raydix.deploy.config import AppConfig, resolve_model_path
+
+    if (folder / "config.json").is_file():
+        return str(folder)
+    tokenizer_from = Path(resolve_model_path(AppConfig()))
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=49152, hidden_size=512, intermediate_size=1536,
+                         num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+                         max_position_embeddings=4096, initializer_range=0.02, eos_token_id=2,
+                         bos_token_id=1, tie_word_embeddings=True)
+    LlamaForCausalLM(config).save_pretrained(folder, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+                 "special_tokens_map.json"):
+        if (tokenizer_from / name).is_file():
+            shutil.copy(tokenizer_from / name, folder / name)
+    return str(folder)
 
 
-async def _one(client: httpx.AsyncClient, url: str, prompt: list[int], max_tokens: int
-                ) -> tuple[float, int, int, int]:
-    """(time to first token, prompt tokens, cached tokens, output tokens) of one request."""
-    body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-    start = time.perf_counter()
-    ttft = float("nan")
-    usage: dict[str, Any] = {}
-    async with client.stream("POST", url + "/v1/completions", json=body) as r:
-        r.raise_for_status()
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("choices") and ttft != ttft:
-                ttft = time.perf_counter() - start
-            usage = chunk.get("usage") or usage
-    details = usage.get("prompt_tokens_details") or {}
-    return (ttft, int(usage.get("prompt_tokens", 0)),
-            int(details.get("cached_tokens", 0)),  # type: ignore[union-attr]
-            int(usage.get("completion_tokens", 0)))
+def _workloads(args: argparse.Namespace) -> list[Workload]:
+    every = {"tenants": lambda: tenants(args.replicas * args.kv_tokens, args.pressure),
+             "zipf": zipf, "sessions": sessions}
+    return [every[name]() for name in args.workloads]
 
 
-async def run_workload(url: str, prompts: list[list[int]], max_tokens: int,
-                       concurrency: int, rate: float | None = None) -> dict[str, float]:
-    """Closed loop (`rate` None): `concurrency` requests in flight at all times. Open loop:
-    requests arrive at `rate` per second (Poisson), whatever is in flight."""
-    sem = asyncio.Semaphore(concurrency if rate is None else len(prompts))
-    gaps = np.random.default_rng(7).exponential(1.0 / rate, len(prompts)) if rate else None
-    async with httpx.AsyncClient(timeout=600) as client:
+def _drop_app(app: str) -> None:
+    """Delete the app and the detached actors its router left (raydix's, or Ray's tree)."""
+    import contextlib
 
-        async def limited(i: int, p: list[int]) -> tuple[float, int, int, int]:
-            if gaps is not None:
-                await asyncio.sleep(float(gaps[: i + 1].sum()))
-            async with sem:
-                return await _one(client, url, p, max_tokens)
+    import ray
+    from ray import serve
 
-        start = time.perf_counter()
-        results = await asyncio.gather(*(limited(i, p) for i, p in enumerate(prompts)))
-        wall = time.perf_counter() - start
-    ttft = np.array([r[0] for r in results])
-    prompt_tokens = sum(r[1] for r in results)
-    return {"hit_rate": sum(r[2] for r in results) / max(prompt_tokens, 1),
-            "throughput": sum(r[3] for r in results) / wall,
-            "ttft_mean": float(np.nanmean(ttft)), "ttft_p99": float(np.nanpercentile(ttft, 99)),
-            "wall_s": wall}
+    from raydix.router.actor import get_router
+
+    serve.delete(app)
+    with contextlib.suppress(ValueError):
+        ray.kill(get_router(app), no_restart=True)
+    with contextlib.suppress(ValueError):
+        ray.kill(ray.get_actor("LlmPrefixTreeActor", namespace=f"serve::{app}::EngineServer"),
+                 no_restart=True)
 
 
 def http_compare(args: argparse.Namespace) -> None:
@@ -157,82 +159,60 @@ def http_compare(args: argparse.Namespace) -> None:
     from raydix.deploy.app import build_app
     from raydix.deploy.config import AppConfig
 
-    groups, per_group, prefix_len, question_len, max_tokens = 16, 16, 512, 64, 32
-    if args.quick:
-        groups, per_group, prefix_len, question_len, max_tokens = 4, 4, 128, 16, 4
-    prompts = shared_prefix_prompts(groups, per_group, prefix_len, question_len)
-    warmup = shared_prefix_prompts(args.replicas * 2, 1, 8, 8, seed=1)
-    if args.address:
-        ray.init(address=args.address)
-    else:
-        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, args.replicas + 1),
-                 include_dashboard=False, log_to_driver=False)
+    workloads = _workloads(args)
+    rates = {**DEFAULT_RATES, **{k: float(v) for k, v in (r.split("=") for r in args.rate)}}
+    model = args.model
+    if model == "bench":
+        model = bench_model(Path(args.model_dir))
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(address="local", num_cpus=max(os.cpu_count() or 1, args.replicas + 1),
+             include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": args.port})
     url = f"http://127.0.0.1:{args.port}"
-    results: dict[str, dict[str, float]] = {}
+    results: Results = {}
+    context = max(w.max_prompt_len + w.max_tokens for w in workloads) + 8
+    for w in workloads:
+        print(f"{w.name}: {w.note}; ideal hit rate {ideal_hit_rate(w.prompts):.3f}", flush=True)
     try:
         for router in args.routers:
-            # the README's tables were measured with the GPU's step budget; `--set
-            # max_prefill_tokens=512 --set chunked_prefill_size=512` gives the CPU default
-            options: dict[str, object] = {"max_prefill_tokens": 8192, "chunked_prefill_size": 2048}
+            options: dict[str, object] = {**ROUTERS[router]}
             options.update(item.split("=", 1) for item in args.set)
-            config = AppConfig(served_model_name="bench", replicas=args.replicas, router=router,
-                               max_context_len=prefix_len + question_len + max_tokens + 8,
-                               max_running_requests=args.concurrency,
-                               max_total_tokens=args.kv_tokens, **options)
-            serve.run(build_app(config), name="bench", route_prefix="/")
-            asyncio.run(run_workload(url, warmup, 1, args.replicas))  # no prefix in common
-            results[router] = asyncio.run(run_workload(url, prompts, max_tokens,
-                                                       args.concurrency, args.rate))
-            r = results[router]
-            print(f"{router:>13}: hit rate {r['hit_rate']:.3f}, {r['throughput']:.1f} tok/s, "
-                  f"TTFT mean {r['ttft_mean'] * 1e3:.0f} ms, p99 {r['ttft_p99'] * 1e3:.0f} ms "
-                  f"({len(prompts)} requests in {r['wall_s']:.1f} s)", flush=True)
-            serve.delete("bench")
+            config = AppConfig(model=model, served_model_name="bench", replicas=args.replicas,
+                               max_context_len=context, max_total_tokens=args.kv_tokens,
+                               max_running_requests=args.max_running, **options)
+            app = f"bench-{router}"
+            serve.run(build_app(config), name=app, route_prefix="/")
+            warm_up(url, args.replicas)
+            for w in workloads:
+                for mode in args.modes:
+                    run = f"{w.name}/{mode}"
+                    r = run_workload(url, w, args.concurrency if mode == "closed" else None,
+                                     rates[w.name] if mode == "poisson" else None)
+                    results.setdefault(router, {})[run] = r
+                    print(f"{router:>14} {run:>16}: hit {r['hit_rate']:.3f}, "
+                          f"{r['throughput']:.1f} tok/s, TTFT mean {r['ttft_mean']:.2f} s "
+                          f"p90 {r['ttft_p90']:.2f} s p99 {r['ttft_p99']:.2f} s, spread "
+                          f"{r['spread']:.2f}, {r['wall_s']:.0f} s", flush=True)
+            _drop_app(app)
     finally:
         serve.shutdown()
         ray.shutdown()
+    report = []
+    for w in workloads:
+        ideal = ideal_hit_rate(w.prompts)
+        for mode in args.modes:
+            run = f"{w.name}/{mode}"
+            load = f"{rates[w.name]:g} sessions/s" if mode == "poisson" else \
+                f"{args.concurrency} in flight"
+            report += [f"### {run} ({w.note}; {load})", "", table(results, run, ideal), "",
+                       ratios(results, run, ideal), ""]
+        report += ["```", text_plot(results, w.name), "```", ""]
+    print("\n".join(report))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"kv_tokens": args.kv_tokens, "replicas": args.replicas,
-                       "results": results}, f, indent=2)
-    if args.plot:
-        load = f"{args.rate:g} req/s" if args.rate else f"{args.concurrency} in flight"
-        plot(results, args.plot, f"{args.replicas} replicas, {groups}x{per_group} shared-prefix "
-                                 f"requests, {load}, KV pool {args.kv_tokens:,} tokens each")
-    if "cache_aware" not in results:
-        return
-    ca = results["cache_aware"]
-    for other, r in results.items():
-        if other == "cache_aware":
-            continue
-        print(f"cache_aware vs {other}: hit rate {ca['hit_rate'] / max(r['hit_rate'], 1e-9):.2f}x"
-              f" (target >= 3), throughput {ca['throughput'] / r['throughput']:.2f}x (target "
-              f">= 1.5), p99 TTFT {r['ttft_p99'] / ca['ttft_p99']:.2f}x lower (target >= 2)")
-
-
-def plot(results: dict[str, dict[str, float]], path: str, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = list(results)
-    panels = (("hit_rate", "cache hit rate"), ("throughput", "output tokens / s"),
-              ("ttft_p99", "p99 time to first token (s)"))
-    fig, axes = plt.subplots(1, len(panels), figsize=(12, 3.8))
-    for ax, (key, label) in zip(axes, panels, strict=True):
-        values = [results[n][key] for n in names]
-        bars = ax.bar(names, values, color=["tab:green" if n == "cache_aware" else "tab:gray"
-                                            for n in names])
-        ax.bar_label(bars, fmt="%.2f")
-        ax.set_title(label)
-        ax.tick_params(axis="x", labelrotation=15)
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    print(f"plot written to {path}")
+            json.dump({"args": vars(args), "rates": rates, "results": results,
+                       "ideal": {w.name: ideal_hit_rate(w.prompts) for w in workloads}}, f,
+                      indent=2)
 
 
 def main() -> None:
@@ -247,22 +227,28 @@ def main() -> None:
                      help="decisions routed but not yet confirmed by the replicas' events")
     http = sub.add_parser("http", help="the routers compared through HTTP")
     http.add_argument("--replicas", type=int, default=4)
-    http.add_argument("--concurrency", type=int, default=32,
-                      help="closed loop: requests in flight (and each replica's running cap)")
-    http.add_argument("--rate", type=float,
-                      help="open loop instead: requests arrive at this rate per second")
-    http.add_argument("--routers", nargs="+", choices=ROUTERS, default=list(ROUTERS))
+    http.add_argument("--routers", nargs="+", choices=list(ROUTERS), default=DEFAULT_ROUTERS)
+    http.add_argument("--workloads", nargs="+", choices=["tenants", "zipf", "sessions"],
+                      default=["tenants", "zipf", "sessions"])
+    http.add_argument("--modes", nargs="+", choices=["poisson", "closed"],
+                      default=["poisson", "closed"])
+    http.add_argument("--rate", action="append", default=[], metavar="WORKLOAD=R",
+                      help="Poisson arrivals: sessions per second (defaults: "
+                           f"{DEFAULT_RATES})")
+    http.add_argument("--concurrency", type=int, default=12,
+                      help="closed loop: sessions in flight")
+    http.add_argument("--max-running", type=int, default=16,
+                      help="each replica's running-request cap")
+    http.add_argument("--kv-tokens", type=int, default=4096, help="KV pool tokens per replica")
+    http.add_argument("--pressure", type=float, default=0.75,
+                      help="tenants: their contexts' share of the cluster's KV")
+    http.add_argument("--model", default="bench",
+                      help="bench (a random 4-layer Llama, see bench_model), default, or a folder")
+    http.add_argument("--model-dir", default=str(Path.home() / ".cache/raydix/router-bench"))
     http.add_argument("--port", type=int, default=8123)
-    http.add_argument("--address", help="join this Ray cluster (default: a local Ray)")
-    http.add_argument("--kv-tokens", type=int, default=3072,
-                      help="KV pool tokens per replica (see the module docstring)")
     http.add_argument("--set", action="append", default=[], metavar="OPTION=VALUE",
-                      help="an AppConfig option for every router run, e.g. "
-                           "saturated_kv_usage=1 (repeatable)")
-    http.add_argument("--plot", help="write a PNG of hit rate, throughput and p99 TTFT")
+                      help="an AppConfig option for every router run (repeatable)")
     http.add_argument("--json", help="write the results as JSON")
-    http.add_argument("--quick", action="store_true",
-                      help="4 groups x 4 prompts, 128-token prefixes, 4 output tokens")
     args = parser.parse_args()
     if args.what == "decision":
         decision_latency(args.tokens, args.replicas, args.page_size, args.queries,
