@@ -171,6 +171,11 @@ class AppConfig(BaseModel):
         32.0, ge=0, description="cache_aware, ttft: what each request on a replica adds to a "
         "new one's wait, in prompt tokens"
     )
+    miss_cost: float = Field(
+        2.0, ge=1, description="cache_aware, ttft: what a prompt token the replica must compute "
+        "counts against a token of another request's queue (its own wait and the capacity it "
+        "takes from the requests behind it)"
+    )
     cache_threshold: float = Field(
         0.5, ge=0, le=1, description="cache_aware, threshold: least share of the prompt a "
         "replica must hold"
@@ -297,6 +302,7 @@ def routing_policy(config: AppConfig) -> RoutingPolicyConfig | None:
         return None
     return RoutingPolicyConfig(mode=config.routing_policy,
                                request_cost_tokens=config.request_cost_tokens,
+                               miss_cost=config.miss_cost,
                                cache_threshold=config.cache_threshold,
                                balance_abs_threshold=config.balance_abs_threshold,
                                balance_rel_threshold=config.balance_rel_threshold,

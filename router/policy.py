@@ -48,6 +48,8 @@ class RoutingPolicyConfig:
     # ttft: what each request on a replica (running, waiting or just routed) adds to the wait
     # of a new one, in prompt tokens, beside the prompt tokens it has yet to compute
     request_cost_tokens: float = 32.0
+    # ttft: what a prompt token to compute counts against a token of another request's queue
+    miss_cost: float = 2.0
     cache_threshold: float = 0.5
     balance_abs_threshold: int = 32
     balance_rel_threshold: float = 1.5
@@ -59,6 +61,8 @@ class RoutingPolicyConfig:
     def __post_init__(self) -> None:
         if self.mode not in ("ttft", "threshold"):
             raise ValueError(f"mode must be ttft or threshold, got {self.mode!r}")
+        if self.miss_cost < 1:
+            raise ValueError(f"miss_cost must be >= 1, got {self.miss_cost}")
         if self.request_cost_tokens < 0:
             raise ValueError(f"request_cost_tokens must be >= 0, got {self.request_cost_tokens}")
         if not 0.0 <= self.host_hit_weight <= 1.0:

@@ -80,7 +80,8 @@ class RouterState:
         self._host_tier_replicas: set[ReplicaId] = set()  # those that sent host-tier events
         self.in_flight = InFlightPrefixes(page_size, in_flight_ttl_s)
         self.policy = CacheAwarePolicy(policy)  # its config: the settings of either mode
-        self.ttft_policy = ExpectedTTFTPolicy(self.policy.config.request_cost_tokens)
+        self.ttft_policy = ExpectedTTFTPolicy(self.policy.config.request_cost_tokens,
+                                              self.policy.config.miss_cost)
         self._by_ttft = self.policy.config.mode == "ttft"
         self.exact = exact
         self.max_approx_tokens = max_approx_tokens

@@ -3,15 +3,19 @@
 A request's first token waits for the prompt tokens its replica must compute: the part of the
 prompt the replica does not hold, behind the prompt tokens of the requests already routed there
 and not yet computed (the replica's prefill backlog), and a little for each request the replica
-runs (their decode steps share its steps). So each replica's cost, in prompt tokens, is
+runs (their decode steps share its steps). The tokens it computes also delay every request
+that comes after it there, and a copy of a prefix another replica holds takes pool space from
+that replica's other prefixes, so a token to compute counts ``miss_cost`` (default 2) against
+a token of someone else's queue. Each replica's cost, in prompt tokens, is
 
-    (prompt_len - matched) + backlog_tokens + request_cost_tokens * load
+    miss_cost * (prompt_len - matched) + backlog_tokens + request_cost_tokens * load
 
 and the cheapest replica gets the request. No hit threshold: a holder's cached length is
 weighed against its queue. What follows from it:
 
-- a holder keeps its group's requests while its backlog is shorter than the prefix a cold
-  replica would compute;
+- a holder keeps its group's requests while its backlog is shorter than ``miss_cost`` times
+  the prefix a cold replica would compute (a burst of one group's cold requests stays together:
+  the first one's prefix, queued, costs the others less than computing it again);
 - a hot prefix whose holder falls behind by more than the prefix spills to the replica that is
   cheapest with the prefix computed again: it becomes a second holder, and from then on the
   group's requests go to whichever holder is cheaper (the prefix is replicated where load needs
@@ -35,15 +39,19 @@ ReplicaId = Hashable
 
 
 class ExpectedTTFTPolicy:
-    def __init__(self, request_cost_tokens: float = 32.0) -> None:
+    def __init__(self, request_cost_tokens: float = 32.0, miss_cost: float = 2.0) -> None:
         if request_cost_tokens < 0:
             raise ValueError(f"request_cost_tokens must be >= 0, got {request_cost_tokens}")
+        if miss_cost < 1:
+            raise ValueError(f"miss_cost must be >= 1, got {miss_cost}")
         self.request_cost_tokens = request_cost_tokens
+        self.miss_cost = miss_cost
         self._turn = 0
 
     def cost(self, prompt_len: int, matched: int, backlog: float, load: float) -> float:
-        """A replica's expected wait for this prompt's first token, in prompt tokens."""
-        return (prompt_len - matched) + backlog + self.request_cost_tokens * load
+        """A replica's expected wait for this prompt's first token, in prompt tokens, with the
+        tokens it must compute weighed ``miss_cost``."""
+        return self.miss_cost * (prompt_len - matched) + backlog + self.request_cost_tokens * load
 
     def choose(
         self,

@@ -16,12 +16,31 @@ R = ["r0", "r1", "r2"]
 
 
 def test_a_holder_keeps_its_prefix_until_its_backlog_outweighs_it() -> None:
-    policy = ExpectedTTFTPolicy(request_cost_tokens=0)
+    policy = ExpectedTTFTPolicy(request_cost_tokens=0, miss_cost=1)
     matched = {"r1": 900}
     # r1 holds 900 of 1,000 tokens: 100 to compute behind 800 queued beats 1,000 on an idle one
     assert policy.choose(R, 1000, matched, {}, {"r1": 800}) == ("r1", 900, "cache")
     # behind 950 queued, computing the whole prompt on an idle replica is sooner: it overflows
     assert policy.choose(R, 1000, matched, {}, {"r1": 950}).reason == "balance"
+    # a miss counted twice: the holder keeps it up to 1,800 queued
+    policy = ExpectedTTFTPolicy(request_cost_tokens=0, miss_cost=2)
+    assert policy.choose(R, 1000, matched, {}, {"r1": 1750}) == ("r1", 900, "cache")
+    assert policy.choose(R, 1000, matched, {}, {"r1": 1850}).reason == "balance"
+
+
+def test_a_burst_of_one_cold_group_stays_together() -> None:
+    """Nothing computed yet: the first request's prefix is queued on its replica, and the
+    group's next requests follow it there rather than computing the prefix again."""
+    policy = ExpectedTTFTPolicy()
+    backlog = dict.fromkeys(R, 0.0)
+    matched: dict[str, int] = {}
+    homes = []
+    for _ in range(4):
+        d = policy.choose(R, 576, matched, {}, backlog)
+        homes.append(d.replica)
+        backlog[d.replica] += 576 - d.matched_len
+        matched[d.replica] = 512  # in flight: the router counts it held
+    assert len(set(homes)) == 1
 
 
 def test_overflow_makes_a_second_holder_then_alternates_between_them() -> None:
@@ -48,7 +67,7 @@ def test_overflow_makes_a_second_holder_then_alternates_between_them() -> None:
 
 
 def test_load_counts_per_request() -> None:
-    policy = ExpectedTTFTPolicy(request_cost_tokens=50)
+    policy = ExpectedTTFTPolicy(request_cost_tokens=50, miss_cost=1)
     loads = {"r0": 4, "r1": 1, "r2": 0}
     assert policy.choose(R, 100, {"r0": 100}, loads, {}) == ("r2", 0, "balance")  # 200 > 100
     assert policy.choose(R, 400, {"r0": 400}, loads, {}) == ("r0", 400, "cache")  # 200 < 400
@@ -63,6 +82,8 @@ def test_cold_prompts_spread_over_idle_replicas() -> None:
 def test_refuses_a_negative_request_cost() -> None:
     with pytest.raises(ValueError, match="request_cost_tokens"):
         ExpectedTTFTPolicy(-1)
+    with pytest.raises(ValueError, match="miss_cost"):
+        ExpectedTTFTPolicy(miss_cost=0.5)
 
 
 # ---------------------------------------------------------------- against a plain reference
@@ -76,8 +97,9 @@ class Reference:
     prefix shared with a prompt routed there and not yet in its cache; backlog = the prompt
     tokens those routed prompts brought that their replica did not hold."""
 
-    def __init__(self, request_cost: float) -> None:
+    def __init__(self, request_cost: float, miss_cost: float) -> None:
         self.request_cost = request_cost
+        self.miss_cost = miss_cost
         self.pending: dict[str, list[tuple[list[int], int]]] = {r: [] for r in R}
         self.turn = 0
 
@@ -89,7 +111,8 @@ class Reference:
             held = caches[r].match_prefix(np.asarray(prompt, dtype=np.int32)).cached_len
             matched[r] = max([held] + [_lcp(prompt, p) for p, _ in self.pending[r]])
             backlog = sum(c for _, c in self.pending[r])
-            cost = len(prompt) - matched[r] + backlog + self.request_cost * loads[r]
+            cost = (self.miss_cost * (len(prompt) - matched[r]) + backlog
+                    + self.request_cost * loads[r])
             keys[r] = (cost, -matched[r], loads[r])
         low = min(keys.values())
         tied = sorted(r for r in R if keys[r] == low)
@@ -114,7 +137,7 @@ def test_router_state_decides_as_the_reference(seed: int) -> None:
     rng = np.random.default_rng(seed)
     state = RouterState(page_size=1)
     state.set_replicas(R)
-    reference = Reference(state.ttft_policy.request_cost_tokens)
+    reference = Reference(state.ttft_policy.request_cost_tokens, state.ttft_policy.miss_cost)
     buffers = {r: EventBuffer() for r in R}
     caches = {r: RadixCache(event_sink=buffers[r]) for r in R}
     slots = itertools.count(1)
