@@ -116,3 +116,27 @@ def test_router_weighs_a_host_hit_between_a_device_hit_and_a_miss() -> None:
     state = state_with({"host": [(EventKind.INSERTED, 30, 30), (EventKind.HOST_INSERTED, 30, 20),
                                  (EventKind.EVICTED, 30, 20), (EventKind.HOST_EVICTED, 30, 20)]})
     assert state.route(prompt).reason == "least_loaded"
+
+
+def test_expected_ttft_counts_a_host_hit_as_a_cheaper_miss() -> None:
+    """The default policy: a prefix held in a host tier only saves ``host_hit_weight`` of its
+    computation, so it is weighed against queues as that many tokens."""
+    prompt = np.arange(2, 202, dtype=np.int32)  # 200 tokens
+
+    def route(backlog_host: int) -> str:
+        state = RouterState(page_size=1, policy=RoutingPolicyConfig(request_cost_tokens=0))
+        state.set_replicas(["host", "cold"])
+        state.publish("host", [CacheEvent(0, EventKind.CLEARED, None, prompt[:0], 0),
+                               CacheEvent(1, EventKind.INSERTED, None, prompt[:160], 160),
+                               CacheEvent(2, EventKind.HOST_INSERTED, None, prompt[:160], 160),
+                               CacheEvent(3, EventKind.EVICTED, None, prompt[:160], 160)])
+        if backlog_host:  # requests routed to it and not yet computed
+            state.in_flight.add("host", np.arange(5000, 5000 + backlog_host, dtype=np.int32),
+                                cost=backlog_host)
+        decision = state.route(prompt)
+        assert decision.matched_len in (80, 0)  # 160 host tokens count as 80
+        return str(decision.replica)
+
+    # host: 2 * (200 - 80) = 240 + backlog; cold: 2 * 200 = 400
+    assert route(0) == "host" and route(150) == "host"
+    assert route(170) == "cold"  # a device hit of 160 would have kept it (80 + 170 < 400)
