@@ -176,6 +176,10 @@ def http_compare(args: argparse.Namespace) -> None:
     try:
         for router in args.routers:
             options: dict[str, object] = {**ROUTERS[router]}
+            if router.startswith("cache_aware"):
+                # Ray's router waits for its tree actor without a limit; on this loaded 2-core
+                # machine an actor's answer can take longer than raydix's 50 ms default
+                options["router_decision_timeout_s"] = args.decision_timeout
             options.update(item.split("=", 1) for item in args.set)
             config = AppConfig(model=model, served_model_name="bench", replicas=args.replicas,
                                max_context_len=context, max_total_tokens=args.kv_tokens,
@@ -245,6 +249,8 @@ def main() -> None:
     http.add_argument("--model", default="bench",
                       help="bench (a random 4-layer Llama, see bench_model), default, or a folder")
     http.add_argument("--model-dir", default=str(Path.home() / ".cache/raydix/router-bench"))
+    http.add_argument("--decision-timeout", type=float, default=1.0,
+                      help="cache_aware: router_decision_timeout_s (see http_compare)")
     http.add_argument("--port", type=int, default=8123)
     http.add_argument("--set", action="append", default=[], metavar="OPTION=VALUE",
                       help="an AppConfig option for every router run (repeatable)")

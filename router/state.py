@@ -122,7 +122,8 @@ class RouterState:
         loads = {name: self.replicas[name].load for name in names}
         if self._by_ttft:
             backlog = {name: self.in_flight.backlog(name) for name in names}
-            decision = self.ttft_policy.choose(names, len(tokens), matched, loads, backlog)
+            held = {name: float(self.tree.held_tokens(name)) for name in names}
+            decision = self.ttft_policy.choose(names, len(tokens), matched, loads, backlog, held)
         else:
             fullness = {name: self.replicas[name].fullness for name in names}
             decision = self.policy.choose(names, len(tokens), matched, loads, fullness)

@@ -51,6 +51,11 @@ class GlobalPrefixTree:
         self._tick = 0
         self._roots: dict[Hashable, _Node] = {}
         self._num_tokens = 0  # tokens stored in nodes (each counted once)
+        self._held: dict[ReplicaId, int] = {}  # tokens each replica holds
+
+    def held_tokens(self, replica: ReplicaId) -> int:
+        """How many tokens ``replica`` holds (its cache's footprint, as the tree knows it)."""
+        return self._held.get(replica, 0)
 
     @property
     def num_tokens(self) -> int:
@@ -115,7 +120,9 @@ class GlobalPrefixTree:
                 self._num_tokens += (len(data) - pos) // _ITEM
             elif not data.startswith(child.key, pos):
                 child = self._split(child, common_page_bytes(child.key, data, pos, len(data), page))
-            child.replicas.add(replica)
+            if replica not in child.replicas:
+                child.replicas.add(replica)
+                self._held[replica] = self._held.get(replica, 0) + len(child.key) // _ITEM
             child.last_access = self._tick
             pos += len(child.key)
             node = child
@@ -199,6 +206,7 @@ class GlobalPrefixTree:
             cur = stack.pop()
             if replica in cur.replicas:
                 cur.replicas.discard(replica)
+                self._held[replica] -= len(cur.key) // _ITEM
                 order.append(cur)
                 stack.extend(cur.children.values())
         for cur in reversed(order):  # children before parents
@@ -212,6 +220,8 @@ class GlobalPrefixTree:
         node.parent = None
         num = len(node.key) // _ITEM
         self._num_tokens -= num
+        for replica in node.replicas:  # approximate mode's LRU drops held nodes
+            self._held[replica] -= num
         return num
 
     def _nodes(self) -> Iterator[_Node]:
@@ -238,7 +248,10 @@ class GlobalPrefixTree:
 
     def check_integrity(self) -> None:
         total = 0
+        held: dict[ReplicaId, int] = {}
         for node in self._nodes():
+            for replica in node.replicas:
+                held[replica] = held.get(replica, 0) + len(node.key) // _ITEM
             parent = node.parent
             if parent is None or parent.children.get(node.key[: self._page_bytes]) is not node:
                 raise RuntimeError("a node is not linked under its first page")
@@ -251,3 +264,5 @@ class GlobalPrefixTree:
             total += len(node.key) // _ITEM
         if total != self._num_tokens:
             raise RuntimeError(f"token count {self._num_tokens} differs from the nodes ({total})")
+        if {r: n for r, n in self._held.items() if n} != held:
+            raise RuntimeError("the per-replica token counts differ from the nodes")

@@ -133,6 +133,11 @@ def test_expected_ttft_counts_a_host_hit_as_a_cheaper_miss() -> None:
         if backlog_host:  # requests routed to it and not yet computed
             state.in_flight.add("host", np.arange(5000, 5000 + backlog_host, dtype=np.int32),
                                 cost=backlog_host)
+            # as much of something else held on "cold": the same footprint (the same weight)
+            state.publish("cold", [CacheEvent(0, EventKind.CLEARED, None, prompt[:0], 0),
+                                   CacheEvent(1, EventKind.INSERTED, None,
+                                              np.arange(9000, 9000 + backlog_host,
+                                                        dtype=np.int32), backlog_host)])
         decision = state.route(prompt)
         assert decision.matched_len in (80, 0)  # 160 host tokens count as 80
         return str(decision.replica)

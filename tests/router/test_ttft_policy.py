@@ -73,6 +73,16 @@ def test_load_counts_per_request() -> None:
     assert policy.choose(R, 400, {"r0": 400}, loads, {}) == ("r0", 400, "cache")  # 200 < 400
 
 
+def test_new_prefixes_go_where_the_least_is_held() -> None:
+    """Equal queues: a cold prompt goes to the replica holding the fewest tokens, though
+    another is a little less busy; with nothing held, the less busy one."""
+    policy = ExpectedTTFTPolicy(request_cost_tokens=32)
+    loads = {"r0": 0, "r1": 2, "r2": 1}
+    held = {"r0": 3000.0, "r1": 1000.0, "r2": 2000.0}
+    assert policy.choose(R, 1000, {}, loads, {}, held).replica == "r1"
+    assert policy.choose(R, 1000, {}, loads, {}, dict.fromkeys(R, 0.0)).replica == "r0"
+
+
 def test_cold_prompts_spread_over_idle_replicas() -> None:
     policy = ExpectedTTFTPolicy()
     chosen = [policy.choose(R, 64, {}, {}, {}).replica for _ in range(6)]
@@ -95,7 +105,8 @@ def _lcp(a: list[int], b: list[int]) -> int:
 class Reference:
     """The rule in plain terms: matched = what the replica's cache holds, or the longest
     prefix shared with a prompt routed there and not yet in its cache; backlog = the prompt
-    tokens those routed prompts brought that their replica did not hold."""
+    tokens those routed prompts brought that their replica did not hold; footprint = the
+    tokens its cache holds (its own count) plus its backlog."""
 
     def __init__(self, request_cost: float, miss_cost: float) -> None:
         self.request_cost = request_cost
@@ -107,12 +118,14 @@ class Reference:
               loads: dict[str, int]) -> tuple[str, int]:
         keys = {}
         matched = {}
+        backlog = {r: sum(c for _, c in self.pending[r]) for r in R}
+        footprint = {r: sum(caches[r].size_info) + backlog[r] for r in R}
+        mean = sum(footprint.values()) / len(R)
         for r in R:
             held = caches[r].match_prefix(np.asarray(prompt, dtype=np.int32)).cached_len
             matched[r] = max([held] + [_lcp(prompt, p) for p, _ in self.pending[r]])
-            backlog = sum(c for _, c in self.pending[r])
-            cost = (self.miss_cost * (len(prompt) - matched[r]) + backlog
-                    + self.request_cost * loads[r])
+            weight = 1 + (self.miss_cost - 1) * (footprint[r] / mean if mean else 1.0)
+            cost = weight * (len(prompt) - matched[r]) + backlog[r] + self.request_cost * loads[r]
             keys[r] = (cost, -matched[r], loads[r])
         low = min(keys.values())
         tied = sorted(r for r in R if keys[r] == low)
