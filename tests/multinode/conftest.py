@@ -1,4 +1,6 @@
-"""A simulated multi-node cluster (`ray.cluster_utils.Cluster`): one per test module.
+"""A simulated multi-node cluster (`ray.cluster_utils.Cluster`): one for the package, with one
+app of two TP=2 replicas that every module uses (test_faults.py first, test_nodes.py last: its
+node-loss test removes a node and adds one back).
 
 The head node holds no GPU; each worker node has `GPUS_PER_NODE` fake GPUs and one CPU, so a
 TP=2 replica (one CPU bundle for its engine, two GPU bundles for its ranks, STRICT_PACK) fills a
@@ -43,6 +45,7 @@ from raydix.engine.request import GenerationParams
 GPUS_PER_NODE = 2
 NUM_GPU_NODES = 2
 MODEL_NAME = "tiny"
+APP = "multinode"
 T = TypeVar("T")
 
 
@@ -63,6 +66,12 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="package")
+def engine(sim_cluster: SimCluster, tiny_model: Path) -> DeploymentHandle:
+    """The app every module checks, deployed once (the cluster goes with the package)."""
+    return deploy(APP, app_config(tiny_model))
 
 
 @pytest.fixture(scope="session")
@@ -108,7 +117,7 @@ class SimCluster:
         return {n.node_id: n for n in self.cluster.worker_nodes}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="package")
 def sim_cluster() -> Iterator[SimCluster]:
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 1, "num_gpus": 0, "include_dashboard": False,

@@ -1,8 +1,8 @@
 """Faults inside replicas, and load: a rank's worker actor dies; a soak with a restart.
 
-One simulated cluster for the module (two nodes with two fake GPUs each, two TP=2 replicas).
-No node goes away here, so requests go over HTTP with the openai client, through the proxy
-and the ingress.
+The package's simulated cluster and app (two nodes with two fake GPUs each, two TP=2 replicas);
+this module runs before test_nodes.py. No node goes away here, so requests go over HTTP with
+the openai client, through the proxy and the ingress.
 """
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import random
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 import ray
@@ -19,12 +18,11 @@ from ray.serve.handle import DeploymentHandle
 from raydix.deploy.server import ReplicaStats
 
 from .conftest import (
+    APP,
     Outcome,
     SimCluster,
     all_replica_stats,
-    app_config,
     check_outcome,
-    deploy,
     http_generate,
     replica_ranks,
     router_of,
@@ -35,7 +33,6 @@ from .conftest import (
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
-APP = "faults"
 PREFIX = "You are a helpful assistant. Answer briefly: "  # shared: routed to one replica
 NUM_STREAMS = 6
 STREAM_TOKENS = 400
@@ -43,10 +40,6 @@ NUM_SOAK = 500
 SOAK_CONCURRENCY = 32
 SOAK_RESTART_AFTER = 200  # finished requests before one replica loses a rank
 
-
-@pytest.fixture(scope="module")
-def engine(sim_cluster: SimCluster, tiny_model: Path) -> DeploymentHandle:
-    return deploy(APP, app_config(tiny_model))  # the cluster goes with the module
 
 
 def _replaced(old_ids: set[str], num: int = 2) -> set[str] | None:

@@ -1,7 +1,7 @@
 """Replicas across nodes: placement, a replica too large for any node, and node loss.
 
-One simulated cluster for the module: a head node without GPUs and two nodes with two fake
-GPUs each, serving two TP=2 replicas. The node-loss test runs last: it removes a node and
+The package's simulated cluster and app, after test_faults.py: a head node without GPUs and two
+nodes with two fake GPUs each, serving two TP=2 replicas. The node-loss test runs last: it removes a node and
 adds one back.
 """
 
@@ -21,13 +21,13 @@ from raydix.deploy.app import build_app
 from raydix.deploy.server import ReplicaStats
 
 from .conftest import (
+    APP,
     GPUS_PER_NODE,
     Outcome,
     SimCluster,
     all_replica_stats,
     app_config,
     check_outcome,
-    deploy,
     generate,
     node_of,
     replica_ranks,
@@ -39,14 +39,9 @@ from .conftest import (
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
-APP = "nodes"
 NUM_STREAMS = 8
 STREAM_TOKENS = 400  # long enough to be mid-stream when the node goes
 
-
-@pytest.fixture(scope="module")
-def engine(sim_cluster: SimCluster, tiny_model: Path) -> DeploymentHandle:
-    return deploy(APP, app_config(tiny_model))  # the cluster goes with the module
 
 
 def test_tp2_replicas_keep_their_ranks_on_one_node_and_spread_over_nodes(
