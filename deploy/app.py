@@ -5,8 +5,9 @@
     serve run raydix.deploy.app:build_app model=default tp=1
 """
 
+import logging
 import os  # no `from __future__ import annotations`: `serve run` reads build_app's annotation
-from typing import cast
+from typing import NamedTuple, cast
 
 import ray
 from ray import serve
@@ -16,7 +17,7 @@ from ray.serve.config import RequestRouterConfig
 from raydix.cluster.placement import check_replica_fits
 from raydix.router.serve_router import CacheAwareRequestRouter, RoundRobinRequestRouter
 
-from .capacity import check_replicas_fit, replica_resources
+from .capacity import Shortfall, check_replicas_fit, replica_resources
 from .config import (
     AppConfig,
     attention_backend,
@@ -36,6 +37,8 @@ INGRESS_DEPLOYMENT = "OpenAIIngress"
 STATS_BOARD_DEPLOYMENT = "StatsBoard"
 MAX_INGRESS_ONGOING_REQUESTS = 4096
 GRACEFUL_WAIT_LOOP_S = 0.2  # a stopping replica checks this often for requests still running
+
+logger = logging.getLogger(__name__)
 
 
 def _cluster_gpus() -> float:
@@ -58,16 +61,12 @@ def bind_app(config: AppConfig, engine_factory: EngineFactory = build_engine) ->
     Connected to a Ray cluster, a replica that no node could hold, or more replicas than the
     nodes hold, are refused here with a ValueError (Serve would keep them pending without
     end), unless an autoscaler can add nodes."""
-    device = resolve_device(config, _cluster_gpus())
+    device, use_gpu, bundles, cpu_threads = engine_placement(config)
     check_attention_backend(config, device)
-    use_gpu = config.use_gpu_bundles if config.use_gpu_bundles is not None else device == "cuda"
-    bundles = replica_bundles(config.tp, use_gpu)
-    if bundles is not None and ray.is_initialized():
-        check_replica_fits(config.tp, use_gpu, num_extra_cpus=1)  # bundle 0: the engine
-    cpu_threads = replica_cpu_threads(config, device, bundles)
-    if ray.is_initialized():
-        check_replicas_fit(config.autoscaling.min_replicas if config.autoscaling else
-                           config.replicas, replica_resources(config.tp, use_gpu, cpu_threads))
+    shortfall = replica_shortfall(config)
+    if shortfall is not None:
+        logger.warning("the cluster can't hold every engine replica yet; the autoscaler can "
+                       "add %s", shortfall.describe())
     model_path = resolve_model_path(config)
     engine = engine_config(config, model_path, device)
     scaling: dict[str, object]
@@ -120,6 +119,35 @@ def bind_app(config: AppConfig, engine_factory: EngineFactory = build_engine) ->
                        schedule_policy=engine.scheduler.schedule_policy,
                        tool_call_parser=config.tool_call_parser)
     return app
+
+
+class EnginePlacement(NamedTuple):
+    device: str
+    use_gpu: bool  # the ranks sit in GPU bundles
+    bundles: list[dict[str, float]] | None  # the replica's placement group; None: none
+    cpu_threads: int | None  # the in-process rank's threads (CPU, tp 1)
+
+
+def engine_placement(config: AppConfig) -> EnginePlacement:
+    """Where the engine replicas run and what each reserves."""
+    device = resolve_device(config, _cluster_gpus())
+    use_gpu = config.use_gpu_bundles if config.use_gpu_bundles is not None else device == "cuda"
+    bundles = replica_bundles(config.tp, use_gpu)
+    return EnginePlacement(device, use_gpu, bundles,
+                           replica_cpu_threads(config, device, bundles))
+
+
+def replica_shortfall(config: AppConfig) -> Shortfall | None:
+    """Connected to a Ray cluster: None when it holds every engine replica asked for (the
+    minimum with autoscaling); a `Shortfall` when only an autoscaler's nodes would; a one-line
+    ValueError when nothing would (see `capacity.py`)."""
+    if not ray.is_initialized():
+        return None
+    _, use_gpu, bundles, cpu_threads = engine_placement(config)
+    if bundles is not None:
+        check_replica_fits(config.tp, use_gpu, num_extra_cpus=1)  # bundle 0: the engine
+    return check_replicas_fit(config.autoscaling.min_replicas if config.autoscaling else
+                              config.replicas, replica_resources(config.tp, use_gpu, cpu_threads))
 
 
 def check_attention_backend(config: AppConfig, device: str) -> None:

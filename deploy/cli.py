@@ -17,10 +17,14 @@ import time
 import types
 import typing
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 
 from .config import AppConfig, describe_error, load_yaml, resolve_model_path
+
+if TYPE_CHECKING:
+    from ray.serve import Application
 
 logger = logging.getLogger("raydix")
 
@@ -122,7 +126,7 @@ def serve_forever(config: AppConfig) -> None:
         app = build_app(config)
         logger.info("deploying %s engine replica(s) with tp=%d; the replicas load the model",
                     config.replicas if config.autoscaling is None else "autoscaled", config.tp)
-        serve.run(app, name=APP_NAME, route_prefix="/")
+        _deploy(app, config)
         _log_start_facts()
         logger.info("raydix is ready on http://%s:%d (model %r)", config.host, config.port,
                     config.model_name)
@@ -133,6 +137,49 @@ def serve_forever(config: AppConfig) -> None:
                     config.shutdown_timeout)
     finally:
         _stop(config)
+
+
+def _deploy(app: Application, config: AppConfig) -> None:
+    """Run the app and return once it serves. When the cluster can't hold every engine replica
+    yet but its autoscaler can add nodes that do, say so and wait up to
+    `autoscaler_timeout_s` for them (a RuntimeError after that)."""
+    from ray import serve
+    from ray.serve.schema import ApplicationStatus
+
+    from .app import ENGINE_DEPLOYMENT, replica_shortfall
+    from .capacity import wait_for_nodes
+
+    shortfall = replica_shortfall(config)
+    if shortfall is None:
+        serve.run(app, name=APP_NAME, route_prefix="/")
+        return
+    serve.run_many([serve.RunTarget(app, name=APP_NAME, route_prefix="/")],
+                   wait_for_applications_running=False)
+    wait_for_nodes(shortfall, config.autoscaler_timeout_s,
+                   lambda: replicas_running(APP_NAME, ENGINE_DEPLOYMENT))
+    deadline = time.monotonic() + config.startup_timeout_s
+    while serve.status().applications[APP_NAME].status != ApplicationStatus.RUNNING:
+        replicas_running(APP_NAME, ENGINE_DEPLOYMENT)  # raises when the deploy failed
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the app did not start within {config.startup_timeout_s:g} s")
+        time.sleep(0.5)
+
+
+def replicas_running(app_name: str, deployment: str) -> int:
+    """Replicas of `deployment` that run (0 until Serve reports the app); raises a
+    RuntimeError when Serve gave up deploying the app."""
+    from ray import serve
+    from ray.serve.schema import ApplicationStatus
+
+    app = serve.status().applications.get(app_name)
+    if app is None:
+        return 0
+    if app.status == ApplicationStatus.DEPLOY_FAILED:
+        raise RuntimeError(f"deploying the app failed: {app.message}")
+    status = app.deployments.get(deployment)
+    if status is None:
+        return 0
+    return sum(n for state, n in status.replica_states.items() if state == "RUNNING")
 
 
 def _log_start_facts() -> None:

@@ -214,6 +214,10 @@ class AppConfig(BaseModel):
     )
     startup_timeout_s: float = Field(STARTUP_TIMEOUT_S, gt=0,
                                      description="bound on a replica's start-up")
+    autoscaler_timeout_s: float = Field(
+        600.0, gt=0, description="when the cluster can't hold every engine replica but its "
+        "autoscaler can add nodes that do: how long `raydix serve` waits for them"
+    )
     health_check_period_s: float = Field(
         5.0, gt=0, description="how often Serve checks each engine replica (its loop and ranks)"
     )

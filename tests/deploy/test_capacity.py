@@ -1,12 +1,21 @@
-"""A replica count the cluster can't place is refused at once, naming what is missing."""
+"""A replica count the cluster can't place is refused at once, naming what is missing, unless
+an autoscaler can add nodes that hold one: then the CLI waits for them, and fails in time."""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
-from raydix.deploy.capacity import check_replicas_fit, num_replicas_that_fit, replica_resources
+from raydix.deploy.capacity import (
+    autoscaler_node_types,
+    check_replicas_fit,
+    num_replicas_that_fit,
+    replica_resources,
+)
 from raydix.deploy.config import AppConfig
 
 from .conftest import NUM_FAKE_GPUS, ServeCluster
@@ -46,3 +55,66 @@ def test_more_cpu_replicas_than_cpus_are_refused(serve_cluster: ServeCluster,
                        r"on one node, .* holds 1\. Lower --replicas \(or --cpu-threads\)"):
         bind_app(config)
     bind_app(config.model_copy(update={"cpu_threads": 1}))  # 2 x 1 CPU: placed
+
+
+@contextmanager
+def fake_autoscaler(**node_types: dict[str, int]) -> Iterator[None]:
+    """The cluster config an autoscaler records in Ray's GCS: these node types may be added."""
+    import ray._raylet
+    from ray.core.generated.autoscaler_pb2 import ClusterConfig
+    from ray.experimental.internal_kv import _internal_kv_del, _internal_kv_put
+
+    config = ClusterConfig()
+    for name, resources in node_types.items():
+        group = config.node_group_configs.add(name=name, max_count=4)
+        group.resources.update(resources)
+    key, namespace = (ray._raylet.GCS_AUTOSCALER_CLUSTER_CONFIG_KEY,
+                      ray._raylet.GCS_AUTOSCALER_STATE_NAMESPACE)
+    _internal_kv_put(key, config.SerializeToString(), namespace=namespace)
+    try:
+        yield
+    finally:
+        _internal_kv_del(key, namespace=namespace)
+
+
+def test_an_autoscaler_with_too_small_nodes_does_not_help(serve_cluster: ServeCluster) -> None:
+    with fake_autoscaler(small={"CPU": 1}):
+        assert autoscaler_node_types() == {"small": {"CPU": 1.0}}
+        with pytest.raises(ValueError, match=r"replicas=2 can't be placed: .* holds 1, and none "
+                           r"of the node types its autoscaler can add holds one \(small: 1 CPU\)"):
+            check_replicas_fit(2, {"CPU": 2.0})
+    assert autoscaler_node_types() is None
+
+
+def test_with_an_autoscaler_the_cli_waits_for_nodes_then_fails(
+        serve_cluster: ServeCluster, tiny_llama: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """2 replicas of 2 CPUs on a 2-CPU cluster whose autoscaler could add 4-CPU nodes: the
+    app is deployed, one replica runs, the CLI says what it waits for, and fails in time."""
+    import logging
+
+    from ray import serve
+
+    from raydix.deploy.app import ENGINE_DEPLOYMENT, bind_app, replica_shortfall
+    from raydix.deploy.cli import _deploy, replicas_running
+
+    config = AppConfig(model=str(tiny_llama), device="cpu", cpu_threads=2, replicas=2,
+                       max_total_tokens=4096, autoscaler_timeout_s=6)
+    caplog.set_level(logging.INFO)
+    with fake_autoscaler(head={"CPU": 1}, cpu4={"CPU": 4}):
+        shortfall = replica_shortfall(config)
+        assert shortfall is not None
+        assert (shortfall.num_replicas, shortfall.fit, shortfall.node_types) == (2, 1, ("cpu4",))
+        start = time.monotonic()
+        try:
+            with pytest.raises(RuntimeError, match=r"waited 6 s for the autoscaler to add "
+                               r"nodes: [01] of 2 engine replicas run, and the cluster holds 1 "
+                               r"\(a replica needs 2 CPU on one node\)"):
+                _deploy(bind_app(config), config)
+            assert time.monotonic() - start < 30
+            assert replicas_running("raydix", ENGINE_DEPLOYMENT) <= 1
+        finally:
+            serve.delete("raydix")
+    said = caplog.text
+    assert ("waiting up to 6 s for the autoscaler to add nodes for 1 more engine replica(s) "
+            "(the cluster holds 1 of 2; a replica needs 2 CPU on one node; node types that hold "
+            "one: cpu4)") in said
