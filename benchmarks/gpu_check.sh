@@ -9,7 +9,11 @@
 #      decode step's time split and the share of the memory-bandwidth floor at batch 1, for a
 #      ~1B Llama (random weights, TinyLlama-1.1B's shape) and the default model;
 #   3. the worker-level floor report (benchmarks/worker_bench.py);
-#   4. kernels per decoder layer of a decode step (benchmarks/kernel_count.py; budget 15).
+#   4. kernels per decoder layer of a decode step (benchmarks/kernel_count.py; budget 15);
+#   5. serving through `raydix serve` against the engine in-process (benchmarks/serve_bench.py):
+#      the default model at 1, 16 and 64 streams of 256 tokens; the targets are an added TTFT
+#      <= 5 ms and an added time per token <= 1 ms at one stream, >= 95% of the engine's
+#      throughput at 64 streams, and no gap over 100 ms in any stream.
 # Results go to $OUT when it is set (else ./gpu-check): logs, JSON and markdown tables.
 #
 # It uses the Python environment it finds (`make setup` on a CUDA host installs everything). On a
@@ -40,4 +44,7 @@ done
   --json "$out/worker-bench-llama-1b.json" 2>&1 | tee "$out/worker-bench-llama-1b.log" || status=1
 "$PYTHON" benchmarks/kernel_count.py --json "$out/kernel-count.json" 2>&1 \
   | tee "$out/kernel-count.log" || status=1
+RAY_AUTH_MODE=disabled "$PYTHON" benchmarks/serve_bench.py --streams 1 16 64 --output-len 256 \
+  --repeats 2 --json "$out/serve-bench-default.json" 2>&1 | tee "$out/serve-bench-default.log" \
+  || status=1
 exit $status

@@ -8,12 +8,20 @@ and output throughput on both paths, and the added TTFT, added time per token an
 throughput ratio serve / in-process.
 
 Each `--variant` is one `raydix serve` run with those extra flags (e.g. "--cpu-threads 1" and
-"--cpu-threads 2"), all measured against the same in-process baseline; `--threads` lists the
+"--cpu-threads 2"; `NAME=value` words set environment variables of that run), all measured against the same in-process baseline; `--threads` lists the
 in-process thread counts tried, and the best in-process figure is the baseline.
+
+On a shared machine the figures move with the other work, so each variant runs `--repeats`
+rounds, and on the CPU a round runs every load in-process and then through the server (both
+paths see the same minutes); the best figure of each path over the rounds is kept. On a GPU,
+which holds one engine's KV pool, the in-process rounds run first and free the GPU. Beside the wall-clock
+figures it reports what the load cost in CPU time per output token, per process of the server
+(the engine replica, the ingress, Serve's proxy, ...) and for the in-process engine: a figure
+that moves far less with the other work than the wall clock does.
 
     python benchmarks/serve_bench.py [--model default|tiny|PATH] [--streams 1 16 64]
         [--prompt-len 128] [--output-len 128] [--threads 1 2] [--variant "--cpu-threads 2" ...]
-        [--serve-args "--max-total-tokens 100000"] [--json out.json]
+        [--serve-args "--max-total-tokens 100000"] [--repeats 3] [--json out.json]
 
 `tiny` is a random 2-layer Llama (hidden 64) with the default model's tokenizer: its step is
 nearly all host work, the CPU's stand-in for a GPU step when measuring the serving path.
@@ -52,6 +60,7 @@ class Stats(NamedTuple):
     tpot_s: float  # mean over streams: (last token - first token) / (tokens - 1)
     throughput: float  # output tokens / s over the whole burst
     max_gap_s: float  # longest wait between two outputs of a stream (serve: SSE chunks)
+    cpu_ms_per_token: dict[str, float] | None = None  # CPU time per output token, by process
 
 
 def summarize(starts: float, token_times: list[list[float]]) -> Stats:
@@ -84,28 +93,113 @@ def run_engine(engine: Engine, prompts: list[list[int]], output_len: int) -> Sta
     return summarize(start, list(times.values()))
 
 
-def in_process(config: AppConfig, model_path: str, device: str, streams: list[int],
-               prompt_len: int, output_len: int, threads: list[int]) -> dict[int, Stats]:
-    """The best (highest throughput) in-process figure over the thread counts, per load."""
-    from transformers import AutoTokenizer
+class InProcess:
+    """The engine `raydix serve` would build, in this process (one rank), kept across rounds."""
 
-    engine = Engine(engine_config(config, model_path, device),  # detokenizes, as the server
-                    tokenizer=AutoTokenizer.from_pretrained(model_path))
-    vocab = _vocab(model_path)
-    best: dict[int, Stats] = {}
-    for i, n_threads in enumerate(threads if device == "cpu" else [torch.get_num_threads()]):
-        torch.set_num_threads(n_threads)
-        run_engine(engine, prompts_for(2, prompt_len, vocab, seed=99), 8)  # warm-up
-        for n in streams:  # prompts new to this engine's prefix cache on every pass
-            prompts = prompts_for(n, prompt_len, vocab, seed=1000 * i + n)
-            stats = run_engine(engine, prompts, output_len)
-            print(f"  in-process, {n_threads} thread(s), {n:3d} streams: "
-                  f"{stats.throughput:8.1f} tok/s, TTFT {stats.ttft_s * 1e3:8.1f} ms, "
-                  f"TPOT {stats.tpot_s * 1e3:6.1f} ms", flush=True)
-            if n not in best or stats.throughput > best[n].throughput:
-                best[n] = stats
-    engine.shutdown()
-    return best
+    def __init__(self, config: AppConfig, model_path: str, device: str) -> None:
+        from transformers import AutoTokenizer
+
+        self.engine = Engine(engine_config(config, model_path, device),  # detokenizes, as the
+                             tokenizer=AutoTokenizer.from_pretrained(model_path))  # server
+        self.vocab = _vocab(model_path)
+        self.device = device
+        self.warm: set[int] = set()
+
+    def run(self, streams: list[int], prompt_len: int, output_len: int, threads: list[int],
+            seeds: SeedSource) -> dict[int, Stats]:
+        """The best (highest throughput) figure over the thread counts, per load."""
+        best: dict[int, Stats] = {}
+        for n_threads in threads if self.device == "cpu" else [torch.get_num_threads()]:
+            torch.set_num_threads(n_threads)
+            if n_threads not in self.warm:
+                self.warm.add(n_threads)
+                run_engine(self.engine, prompts_for(2, prompt_len, self.vocab, seeds()), 8)
+            for n in streams:  # prompts new to this engine's prefix cache on every pass
+                prompts = prompts_for(n, prompt_len, self.vocab, seeds())
+                cpu = time.process_time()
+                stats = run_engine(self.engine, prompts, output_len)
+                cpu_ms = (time.process_time() - cpu) * 1e3 / (n * output_len)
+                stats = stats._replace(cpu_ms_per_token={"in-process": cpu_ms})
+                print(f"  in-process, {n_threads} thread(s), {n:3d} streams: "
+                      f"{stats.throughput:8.1f} tok/s, TTFT {stats.ttft_s * 1e3:8.1f} ms, "
+                      f"TPOT {stats.tpot_s * 1e3:6.1f} ms, CPU {cpu_ms:.2f} ms/token", flush=True)
+                if n not in best or stats.throughput > best[n].throughput:
+                    best[n] = stats
+        return best
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+
+class SeedSource:
+    """A new prompt seed for every burst: no burst meets an earlier one in a prefix cache."""
+
+    def __init__(self) -> None:
+        self.next = 1000
+
+    def __call__(self) -> int:
+        self.next += 1
+        return self.next
+
+
+def best_of(a: dict[int, Stats], b: dict[int, Stats]) -> dict[int, Stats]:
+    return {n: max((s for s in (a.get(n), b.get(n)) if s is not None),
+                   key=lambda s: s.throughput) for n in a.keys() | b.keys()}
+
+
+# --------------------------------------------------------------------- CPU time per process
+def _cpu_ticks(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])  # utime + stime
+
+
+def _role(pid: int) -> str:
+    """A server process's role: the Ray actor's name (ray::ServeReplica:raydix:EngineServer ->
+    EngineServer) or the program's."""
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        argv = f.read().split(b"\0")
+    first = argv[0].decode(errors="replace")
+    if first.startswith("ray::"):
+        name = first[5:].split(".")[0]
+        return name.rsplit(":", 1)[-1] if name.startswith("ServeReplica") else name
+    if "raydix.deploy.cli" in b" ".join(argv).decode(errors="replace"):
+        return "raydix serve (driver)"
+    return Path(first).name or "?"
+
+
+def process_tree_cpu(root: int) -> dict[int, tuple[str, int]]:
+    """pid -> (role, CPU ticks so far) for `root` and every process under it."""
+    parent: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError), \
+                    open(f"/proc/{entry}/stat") as f:
+                parent[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+    tree, frontier = {root}, [root]
+    while frontier:
+        pid = frontier.pop()
+        for child, ppid in parent.items():
+            if ppid == pid and child not in tree:
+                tree.add(child)
+                frontier.append(child)
+    out = {}
+    for pid in tree:
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            out[pid] = (_role(pid), _cpu_ticks(pid))
+    return out
+
+
+def cpu_per_token(before: dict[int, tuple[str, int]], after: dict[int, tuple[str, int]],
+                  num_tokens: int) -> dict[str, float]:
+    """CPU ms per output token by role, largest first (processes alive at both ends)."""
+    tick_ms = 1e3 / os.sysconf("SC_CLK_TCK")
+    by_role: dict[str, float] = {}
+    for pid, (role, ticks) in after.items():
+        if pid in before:
+            by_role[role] = by_role.get(role, 0.0) + (ticks - before[pid][1]) * tick_ms
+    return dict(sorted(((r, ms / num_tokens) for r, ms in by_role.items() if ms > 0),
+                       key=lambda kv: -kv[1]))
 
 
 def _vocab(model_path: str) -> int:
@@ -121,9 +215,11 @@ def _free_port() -> int:
 
 def start_server(model: str, flags: list[str], log: Path) -> tuple[subprocess.Popen[bytes], str]:
     port = _free_port()
+    env_vars = dict(f.split("=", 1) for f in flags if "=" in f and not f.startswith("-"))
+    flags = [f for f in flags if "=" not in f or f.startswith("-")]
     argv = [sys.executable, "-m", "raydix.deploy.cli", "serve", "--model", model,
             "--served-model-name", MODEL_NAME, "--port", str(port), *flags]
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "HF_HUB_OFFLINE": "1", **env_vars}
     with log.open("wb") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True)
@@ -161,8 +257,9 @@ async def _stream(client: httpx.AsyncClient, url: str, prompt: list[int],
     return times
 
 
-def through_serve(url: str, streams: list[int], prompt_len: int, output_len: int,
-                  vocab: int) -> dict[int, Stats]:
+def through_serve(server: subprocess.Popen[bytes], url: str, streams: list[int],
+                  prompt_len: int, output_len: int, vocab: int,
+                  seeds: SeedSource) -> dict[int, Stats]:
     async def burst(n: int, seed: int, length: int) -> Stats:
         async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=256)) as c:
             start = time.perf_counter()
@@ -174,13 +271,19 @@ def through_serve(url: str, streams: list[int], prompt_len: int, output_len: int
         gaps = [float(np.max(np.diff(t))) for t in times if len(t) > 1]
         return stats._replace(max_gap_s=max(gaps, default=0.0))
 
-    asyncio.run(burst(2, 99, 8))  # warm-up
+    asyncio.run(burst(2, seeds(), 8))  # warm-up
     out = {}
     for n in streams:
-        out[n] = stats = asyncio.run(burst(n, n, output_len))
+        before, client = process_tree_cpu(server.pid), time.process_time()
+        stats = asyncio.run(burst(n, seeds(), output_len))
+        cpu = cpu_per_token(before, process_tree_cpu(server.pid), n * output_len)
+        cpu["client (this script)"] = (time.process_time() - client) * 1e3 / (n * output_len)
+        out[n] = stats = stats._replace(cpu_ms_per_token=cpu)
         print(f"  serve, {n:3d} streams: {stats.throughput:8.1f} tok/s, "
               f"TTFT {stats.ttft_s * 1e3:8.1f} ms, TPOT {stats.tpot_s * 1e3:6.1f} ms, "
               f"longest gap {stats.max_gap_s * 1e3:7.1f} ms", flush=True)
+        print("    CPU ms/token: " + ", ".join(f"{role} {ms:.2f}" for role, ms in cpu.items()
+                                                if ms >= 0.01), flush=True)
     return out
 
 
@@ -215,11 +318,14 @@ def main() -> None:
                         "also applied to the in-process engine's config where they name one")
     parser.add_argument("--variant", action="append", default=None,
                         help="extra flags of one raydix serve run (repeat for several)")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="rounds of (in-process, then serve) per variant; the best is kept")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
 
     common = shlex.split(args.serve_args)
     variants = args.variant or [""]
+    seeds = SeedSource()
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model
         default_path = resolve_model_path(AppConfig())
@@ -231,30 +337,62 @@ def main() -> None:
         model_path = resolve_model_path(config)
         device = "cuda" if torch.cuda.is_available() and config.device != "cpu" else "cpu"
         print(f"model {args.model}, device {device}, prompts {args.prompt_len} tokens, "
-              f"{args.output_len} output tokens, streams {args.streams}, cores {os.cpu_count()}")
-        print("in-process engine:", flush=True)
-        base = in_process(config, model_path, device, args.streams, args.prompt_len,
-                          args.output_len, args.threads)
+              f"{args.output_len} output tokens, streams {args.streams}, cores {os.cpu_count()}, "
+              f"{args.repeats} round(s)")
+        engine: InProcess | None = InProcess(config, model_path, device)
+        vocab = _vocab(model_path)
+        base: dict[int, Stats] = {}
+
+        def in_process_round() -> None:
+            nonlocal base
+            assert engine is not None
+            base = best_of(base, engine.run(args.streams, args.prompt_len, args.output_len,
+                                            args.threads, seeds))
+
+        if device == "cuda":  # a GPU holds one engine's KV pool: the in-process rounds first
+            for r in range(args.repeats):
+                print(f" in-process round {r + 1}:", flush=True)
+                in_process_round()
+            engine.shutdown()
+            engine = None
+            import gc
+
+            gc.collect()
+            torch.cuda.empty_cache()
         results: dict[str, dict[int, Stats]] = {}
-        for variant in variants:
-            print(f"raydix serve {args.serve_args} {variant}:", flush=True)
-            proc, url = start_server(model, common + shlex.split(variant), Path(tmp) / "log")
-            try:
-                results[variant] = through_serve(url, args.streams, args.prompt_len,
-                                                 args.output_len, _vocab(model_path))
-            finally:
-                stop_server(proc)
+        try:
+            for variant in variants:
+                print(f"raydix serve {args.serve_args} {variant}:", flush=True)
+                proc, url = start_server(model, common + shlex.split(variant), Path(tmp) / "log")
+                try:
+                    for r in range(args.repeats):
+                        print(f" round {r + 1}:", flush=True)
+                        if engine is not None:  # the CPU: both paths in the same minutes
+                            in_process_round()
+                        results[variant] = best_of(results.get(variant, {}), through_serve(
+                            proc, url, args.streams, args.prompt_len, args.output_len, vocab,
+                            seeds))
+                finally:
+                    stop_server(proc)
+        finally:
+            if engine is not None:
+                engine.shutdown()
 
     print("\n| serve flags | streams | in-process tok/s | serve tok/s | ratio | "
-          "added TTFT | added time/token | longest gap |")
-    print("|---|---|---|---|---|---|---|---|")
+          "added TTFT | added time/token | longest gap | CPU ms/token in-process | "
+          "serve (largest) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for variant, by_streams in results.items():
-        for n, s in by_streams.items():
+        for n, s in sorted(by_streams.items()):
             b = base[n]
+            cpu = s.cpu_ms_per_token or {}
+            total = sum(ms for role, ms in cpu.items() if not role.startswith("client"))
+            top = ", ".join(f"{role} {ms:.2f}" for role, ms in list(cpu.items())[:3])
             print(f"| `{(args.serve_args + ' ' + variant).strip() or '(defaults)'}` | {n} | "
                   f"{b.throughput:.1f} | {s.throughput:.1f} | {s.throughput / b.throughput:.2f} | "
                   f"{(s.ttft_s - b.ttft_s) * 1e3:+.1f} ms | {(s.tpot_s - b.tpot_s) * 1e3:+.2f} ms "
-                  f"| {s.max_gap_s * 1e3:.0f} ms |")
+                  f"| {s.max_gap_s * 1e3:.0f} ms | {(b.cpu_ms_per_token or {}).get('in-process', 0):.2f} "
+                  f"| {total:.2f} ({top}) |")
     if args.json:
         Path(args.json).write_text(json.dumps({
             "base": {n: s._asdict() for n, s in base.items()},
