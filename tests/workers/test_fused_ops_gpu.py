@@ -96,3 +96,46 @@ def test_float32_falls_back_to_torch_exactly() -> None:
     k, v = torch.randn(3, 4, 64, device="cuda"), torch.randn(3, 4, 64, device="cuda")
     FUSED.store_kv(k_buf, v_buf, torch.tensor([1, 9, 60], device="cuda").int(), k, v, 16)
     assert torch.equal(k_buf[[1, 9, 60]], k) and torch.equal(v_buf[[1, 9, 60]], v)
+
+
+def _graph_kernels(folder: object, layers: int, tmp: object) -> int:
+    """CUDA kernels of one batch-1 decode graph replay of the gpu_model's shape with `layers`
+    layers (random weights)."""
+    from pathlib import Path
+
+    from torch.profiler import ProfilerActivity, profile
+    from transformers import AutoConfig, LlamaForCausalLM
+
+    from raydix.workers.config import WorkerConfig
+    from raydix.workers.runner import ModelRunner
+
+    config = AutoConfig.from_pretrained(folder)
+    config.num_hidden_layers = layers
+    path = Path(str(tmp)) / f"llama-{layers}"
+    LlamaForCausalLM(config).save_pretrained(path)
+    runner = ModelRunner(WorkerConfig(str(path), device="cuda", dtype="bfloat16",
+                                      attention_backend="flashinfer", cuda_graph=True,
+                                      cuda_graph_max_batch=4, max_running_requests=4,
+                                      max_context_len=128, max_total_tokens=2048))
+    assert runner.fused_ops.name == "fused"
+    graphs = runner.graph_runner
+    assert graphs is not None
+    graphs.graphs[1].replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        graphs.graphs[1].replay()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type.name == "CUDA"
+               and not e.name.startswith(("Memcpy", "Memset")))
+
+
+def test_decode_graph_launches_at_most_15_kernels_per_layer(gpu_model: object,
+                                                            tmp_path: object) -> None:
+    """The budget of tests/workers/test_kernel_count.py, on the GPU itself: the kernels a
+    decode graph replay launches per layer (the difference between 4 and 2 layers, halved, so
+    the embedding, final norm and head are not counted)."""
+    two, four = _graph_kernels(gpu_model, 2, tmp_path), _graph_kernels(gpu_model, 4, tmp_path)
+    per_layer = (four - two) / 2
+    print(f"decode graph replay: {two} kernels with 2 layers, {four} with 4: "
+          f"{per_layer} per layer")
+    assert per_layer <= 15, (two, four)
