@@ -41,7 +41,8 @@ def _runner(folder: Path, cuda: bool, max_batch: int) -> ModelRunner:
             max_context_len=256, max_total_tokens=100_000))
     return ModelRunner(WorkerConfig(str(folder), dtype="bfloat16", max_running_requests=max_batch,
                                     max_context_len=256, max_total_tokens=20_000,
-                                    cpu_packed_linear=False))
+                                    cpu_packed_linear=False,  # the GEMMs as on CUDA
+                                    cpu_compiled_attention=False))  # no dispatch mode in it
 
 
 def census_per_layer(runner: ModelRunner, engine: OurEngine, batch: int) -> list[int]:
