@@ -78,3 +78,24 @@ def test_paged_decode_builds_no_dense_kv_copy(kernel: paged_decode.Kernel) -> No
                                          profile_memory=True) as prof:
         paged_decode.paged_decode_reference(q, k_buf, v_buf, slots, lens)
     assert max(e.cpu_memory_usage for e in prof.events()) >= dense_bytes
+
+
+def test_steps_after_warm_up_compile_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The graphs compiled at start serve the steps that follow, of any batch and length, with
+    K and V as two tensors made outside inference mode (as the pool holds them) and the rest
+    made inside it (as a step makes them): no step waits for the compiler again."""
+    torch._dynamo.reset()  # no graph compiled by another test may serve these calls
+    monkeypatch.setattr(paged_decode, "_compiled", None)
+    hk, g, d = 3, 3, 8  # a batch of 3 (or 8) would equal a head size
+    kernel = paged_decode.warm_up(hk, d, g, torch.float32)
+    assert kernel is not None
+    gen = torch.Generator().manual_seed(0)
+    k_buf = torch.randn(2000, hk, d, generator=gen)
+    v_buf = torch.randn(2000, hk, d, generator=gen)
+    with torch.compiler.set_stance("fail_on_recompile"):
+        for batch, max_len in ((1, 2), (1, 40), (2, 3), (3, 3), (8, 17), (16, 300)):
+            with torch.inference_mode():
+                slots = torch.randint(0, 2000, (batch, max_len), generator=gen)
+                lens = torch.randint(2, max_len + 1, (batch,), generator=gen)
+                q = torch.randn(batch, hk, g, d, generator=gen)
+                kernel(q, k_buf, v_buf, slots, lens)

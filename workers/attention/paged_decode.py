@@ -66,13 +66,19 @@ def warm_up(num_kv_heads: int, head_dim: int, group: int, dtype: torch.dtype) ->
         return None
     kernel = _compiled or _compile()
     start = time.perf_counter()
-    buf = torch.zeros(8, num_kv_heads, head_dim, dtype=dtype)
+    # The graphs are kept for inputs like these, so they must look like a step's: K and V
+    # are two tensors (one tensor passed as both is compiled for that aliasing, and the first
+    # real step compiles again), and the batch, key and slot counts differ from the head
+    # sizes (dynamo unifies equal sizes and guards on the equality).
+    batch, num_keys, num_slots = _sizes_apart((num_kv_heads, group, head_dim), 3)
+    k_buf = torch.zeros(num_slots, num_kv_heads, head_dim, dtype=dtype)
+    v_buf = torch.zeros(num_slots, num_kv_heads, head_dim, dtype=dtype)
     try:
         with torch.inference_mode():
-            for batch in (1, 3):
-                q = torch.zeros(batch, num_kv_heads, group, head_dim, dtype=dtype)
-                slots = torch.arange(4 * batch).view(batch, 4) % 8
-                kernel(q, buf, buf, slots, torch.full((batch,), 3))
+            for b in (1, batch):
+                q = torch.zeros(b, num_kv_heads, group, head_dim, dtype=dtype)
+                slots = torch.arange(b * num_keys).view(b, num_keys) % num_slots
+                kernel(q, k_buf, v_buf, slots, torch.full((b,), num_keys - 1))
     except Exception as exc:  # no C++ compiler, or an inductor limit: the plain ops still work
         _failed = True
         logger.warning("decode attention runs uncompiled (dense K/V copies per layer): "
@@ -83,3 +89,14 @@ def warm_up(num_kv_heads: int, head_dim: int, group: int, dtype: torch.dtype) ->
                     time.perf_counter() - start)
     _compiled = kernel
     return kernel
+
+
+def _sizes_apart(taken: tuple[int, ...], count: int) -> list[int]:
+    """`count` distinct sizes >= 2, none of them in `taken`, in increasing order."""
+    sizes: list[int] = []
+    size = 2
+    while len(sizes) < count:
+        if size not in taken:
+            sizes.append(size)
+        size += 1
+    return sizes
