@@ -256,6 +256,14 @@ class ModelRunner:
         self._check_copies(plan)
         if self.host_pool is not None:  # the host tier's copies come before the forward
             self.host_pool.apply(plan.device_to_host, plan.host_to_device)
+        if self.config.tp_rank == 0:
+            # the sampling state follows the plan (freed rows too: an empty plan may carry
+            # them) before the forward, so that the grammars' masks are made beside it
+            self.penalties.update(plan)
+            sampling = self.sampling_table.update(plan)
+            self.grammars.update(plan, sampling)
+            if plan.batch_size and self.grammars.num_active:
+                self.grammars.prepare(plan)
         if plan.batch_size == 0:
             self.table.check(plan)
             self.table.apply(plan)
@@ -263,9 +271,6 @@ class ModelRunner:
             logits = self.forward(plan)
         if self.config.tp_rank != 0:
             return None
-        self.penalties.update(plan)  # freed rows too: an empty plan may carry them
-        sampling = self.sampling_table.update(plan)
-        self.grammars.update(plan, sampling)
         if plan.batch_size == 0:
             return self._empty_result(plan)
         seq_lens = plan.prefix_lens.astype(np.int64) + plan.extend_lens

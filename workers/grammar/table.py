@@ -7,13 +7,19 @@ they come. So a token sampled after a middle prompt chunk, which the engine drop
 accepted, and a retracted request starts again from its own tokens: nothing is replayed twice
 and nothing of a freed row is kept.
 
-Before sampling, each matcher fills its row of the token bitmask, and the masked logits are set
-to -inf (xgrammar's kernel, on the logits' device). A sampled stop token ends the request: the
-mask lets one through only where the grammar may end, so its end ends the request.
+A step's masks depend only on its plan (its input tokens are the output the matchers accept), so
+they are made beside the forward: `prepare` hands the step's matchers to the mask thread, which
+fills their rows of one batched token bitmask with xgrammar's batched call (one call for the
+batch; xgrammar releases the GIL), and on a CPU also turns the bitmask into an additive mask
+(0 where allowed, -inf where not, xgrammar's kernel on a zeroed tensor). After the forward,
+`apply` waits for the thread and adds the mask to the logits (on a GPU: copies the bitmask and
+applies it with xgrammar's kernel). A sampled stop token ends the request: the mask lets one
+through only where the grammar may end, so its end ends the request.
 """
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -46,7 +52,15 @@ class GrammarTable:
         self.compiler = compiler
         self.device = device
         self._rows: dict[int, _Row] = {}
+        self._thread: ThreadPoolExecutor | None = None  # the mask thread, made on first use
+        self._batch_matcher: xgrammar.BatchGrammarMatcher | None = None
         self._bitmask: torch.Tensor | None = None  # [capacity, words] int32 on the CPU
+        self._additive: torch.Tensor | None = None  # [capacity, vocab] float32 (CPU logits)
+        self._masks: Future[list[int]] | None = None  # this step's: the batch rows it masks
+        # False: the masks are made after the forward, on the step's thread (what benchmarks
+        # compare against)
+        self.masks_beside_forward = True
+        self._deferred: tuple[list[tuple[int, xgrammar.GrammarMatcher]], int] | None = None
 
     @property
     def num_active(self) -> int:
@@ -55,6 +69,7 @@ class GrammarTable:
     def update(self, plan: StepPlan, sampling: tuple[SamplingParams, ...]) -> None:
         """Follow the plan: drop freed rows, start new matchers, accept this step's output
         tokens. `sampling`: the batch's settings in plan order (the new rows' grammars)."""
+        self._wait()  # the mask thread may still read the matchers of a step that failed
         for row in plan.freed_rows:
             self._rows.pop(row, None)
         if plan.grammar_starts:
@@ -93,30 +108,74 @@ class GrammarTable:
         state.accept(np.asarray(output_ids))
         return state
 
-    def apply(self, logits: torch.Tensor, plan: StepPlan) -> torch.Tensor:
-        """`logits` [B, V] float32 with every grammar row's disallowed tokens at -inf (a copy:
-        the caller's logits stay those of the model)."""
-        # a matcher that has taken its stop token is done: with the overlapped step loop its
-        # request can run one step more, whose token the engine drops, so it needs no mask
-        picked = [(i, state) for i, row in enumerate(plan.row_idx.tolist())
+    def prepare(self, plan: StepPlan) -> None:
+        """Start making the masks of the plan's step on the mask thread (after `update`, before
+        the forward): one bitmask row per grammar row whose matcher has not ended. A matcher
+        that has taken its stop token is done: with the overlapped step loop its request can
+        run one step more, whose token the engine drops, so it needs no mask."""
+        self._wait()
+        picked = [(i, state.matcher) for i, row in enumerate(plan.row_idx.tolist())
                   if (state := self._rows.get(row)) is not None
                   and not state.matcher.is_terminated()]
         if not picked:
+            return
+        import xgrammar as xgr
+
+        batch, vocab = plan.batch_size, self.compiler.vocab_size
+        if self._bitmask is None or self._bitmask.shape[0] < batch:
+            capacity = max(batch, 16)
+            self._bitmask = xgr.allocate_token_bitmask(capacity, vocab)
+            if self.device.type == "cpu":
+                self._additive = torch.empty(capacity, vocab, dtype=torch.float32)
+        if self._thread is None:
+            self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="raydix-masks")
+            self._batch_matcher = xgr.BatchGrammarMatcher(max_threads=1)
+        if self.masks_beside_forward:
+            self._masks = self._thread.submit(self._fill, picked, batch)
+        else:
+            self._deferred = (picked, batch)
+
+    @torch.inference_mode()
+    def _fill(self, picked: list[tuple[int, xgrammar.GrammarMatcher]], batch: int) -> list[int]:
+        """On the mask thread: the picked rows' bitmask (and on a CPU their additive mask)."""
+        import xgrammar as xgr
+
+        assert self._bitmask is not None and self._batch_matcher is not None
+        rows = [i for i, _ in picked]
+        self._batch_matcher.batch_fill_next_token_bitmask([m for _, m in picked],
+                                                          self._bitmask, rows)
+        if self._additive is not None:
+            additive = self._additive[:batch].zero_()
+            xgr.apply_token_bitmask_inplace(additive, self._bitmask[:batch],
+                                            vocab_size=self.compiler.vocab_size, indices=rows)
+        return rows
+
+    def _wait(self) -> list[int] | None:
+        """The rows of the masks being made, once they are made (None when none are)."""
+        masks, self._masks = self._masks, None
+        if masks is not None:
+            return masks.result()
+        deferred, self._deferred = self._deferred, None
+        return self._fill(*deferred) if deferred is not None else None
+
+    def apply(self, logits: torch.Tensor, plan: StepPlan) -> torch.Tensor:
+        """`logits` [B, V] float32 with every grammar row's disallowed tokens at -inf (a new
+        tensor: the caller's logits stay those of the model)."""
+        rows = self._wait()
+        if rows is None:
             return logits
         import xgrammar as xgr
 
-        batch = logits.shape[0]
-        if self._bitmask is None or self._bitmask.shape[0] < batch:
-            self._bitmask = xgr.allocate_token_bitmask(max(batch, 16), logits.shape[1])
-        bitmask = self._bitmask
-        for i, state in picked:
-            state.matcher.fill_next_token_bitmask(bitmask, i)
-        rows = [i for i, _ in picked]
+        batch, vocab = logits.shape
+        if vocab != self.compiler.vocab_size:
+            raise ValueError(f"{vocab} logits per row, but the grammars were compiled for a "
+                             f"vocabulary of {self.compiler.vocab_size}")
+        assert self._bitmask is not None
+        if logits.device.type == "cpu" and self._additive is not None:
+            return logits + self._additive[:batch]
         out = logits.clone()
-        mask = bitmask[:batch]
-        if out.device.type != "cpu":
-            mask = mask.to(out.device, non_blocking=True)
-        xgr.apply_token_bitmask_inplace(out, mask, vocab_size=logits.shape[1], indices=rows)
+        mask = self._bitmask[:batch].to(out.device, non_blocking=True)
+        xgr.apply_token_bitmask_inplace(out, mask, vocab_size=vocab, indices=rows)
         return out
 
     def ended(self, plan: StepPlan, token_ids: np.ndarray) -> np.ndarray:
