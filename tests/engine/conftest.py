@@ -1,7 +1,8 @@
-"""Engine fixtures: a tiny random Llama saved as safetensors, and engines over it."""
+"""Engine fixtures: tiny random Llamas saved as safetensors, and engines over them."""
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from raydix.workers.config import WorkerConfig
 
 VOCAB = 128
 EOS = 1  # kept out of prompts; the engine stops on it unless ignore_eos
+TOK_EOS = 2  # tiny_tok's: the default model's end of text
 
 
 @pytest.fixture(scope="session")
@@ -81,3 +83,20 @@ def smollm2(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return convert_gguf(
         find_packaged_gguf(), tmp_path_factory.mktemp("smollm2"), show_progress=False
     )
+
+
+@pytest.fixture(scope="session")
+def tiny_tok(tmp_path_factory: pytest.TempPathFactory, smollm2: Path) -> Path:
+    """A tiny random Llama with the default model's tokenizer and vocabulary (what grammars
+    compile against): unconstrained it writes garbage."""
+    torch.manual_seed(1234)
+    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=1024, initializer_range=0.3,
+                         eos_token_id=TOK_EOS, bos_token_id=1, tie_word_embeddings=True)
+    folder = tmp_path_factory.mktemp("tiny-tok")
+    LlamaForCausalLM(config).save_pretrained(folder, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (smollm2 / name).is_file():
+            shutil.copy(smollm2 / name, folder / name)
+    return folder

@@ -9,24 +9,24 @@ and retracted requests leave no matcher behind.
 
 from __future__ import annotations
 
+import dataclasses
 import json
-import shutil
+import re
 from pathlib import Path
 
 import jsonschema
 import numpy as np
 import pytest
-import torch
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import AutoTokenizer
 
 from raydix.engine.config import EngineConfig, SchedulerConfig
 from raydix.engine.engine import Engine
 from raydix.engine.request import FinishReason, GenerationParams
 from raydix.workers.config import WorkerConfig
 from raydix.workers.step import GrammarSpec, SamplingParams
+from tests.engine.conftest import TOK_EOS as EOS
 from tests.engine.test_engine import assert_drained
 
-EOS = 2
 SCHEMA = {
     "type": "object",
     "properties": {
@@ -37,21 +37,6 @@ SCHEMA = {
     },
     "required": ["name", "age", "tags", "ok"],
 }
-
-
-@pytest.fixture(scope="module")
-def tiny_tok(tmp_path_factory: pytest.TempPathFactory, smollm2: Path) -> Path:
-    torch.manual_seed(1234)
-    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=1024, initializer_range=0.3,
-                         eos_token_id=EOS, bos_token_id=1, tie_word_embeddings=True)
-    folder = tmp_path_factory.mktemp("tiny-tok")
-    LlamaForCausalLM(config).save_pretrained(folder, safe_serialization=True)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        if (smollm2 / name).is_file():
-            shutil.copy(smollm2 / name, folder / name)
-    return folder
 
 
 @pytest.fixture(scope="module")
@@ -145,6 +130,44 @@ def test_a_resumed_request_replays_the_output_in_its_cached_prefix(engine: Engin
     assert tokens == expected
     starts = [s for plan in plans for s in plan.grammar_starts]
     assert len(starts) == 2 and len(starts[1].output_ids) >= 7  # replayed from the cache
+
+
+def test_penalties_and_seeds_under_a_grammar(engine: Engine, tiny_tok: Path) -> None:
+    """Penalties act on the masked choice (they change the output, which stays valid); a seeded
+    request gives the same tokens alone and in a batch, and under retraction, where both the
+    penalties' counts and the matcher must follow the request back."""
+    prompts = [p * 2 for p in prompts_of(tiny_tok, 6)]
+    plain = json_params(6)
+    penalised = [dataclasses.replace(q, sampling=dataclasses.replace(
+        q.sampling, frequency_penalty=1.5, presence_penalty=1.0, repetition_penalty=1.3))
+        for q in plain]
+    unpenalised = run(engine, prompts, plain)
+    batch = run(engine, prompts, penalised)
+    for _, text, reason in batch:
+        jsonschema.validate(json.loads(text), SCHEMA)
+        assert reason is FinishReason.STOP
+    assert [r[0] for r in batch] != [r[0] for r in unpenalised]
+    assert run(engine, prompts[1:2], penalised[1:2])[0][0] == batch[1][0]  # seeded, alone
+    tight = make(tiny_tok, max_total_tokens=300, chunked_prefill_size=16, max_prefill_tokens=32,
+                 init_new_token_ratio=0.0, min_new_token_ratio=0.0)
+    squeezed = run(tight, prompts, penalised)
+    assert tight.metrics().num_retractions > 0
+    assert [r[0] for r in squeezed] == [r[0] for r in batch]
+    assert grammar_rows(tight) == 0
+    assert_drained(tight)
+
+
+def test_a_stop_string_ends_a_request_under_a_grammar(engine: Engine, tiny_tok: Path) -> None:
+    """The output processor ends a request at its stop string before the grammar's end (as
+    vLLM and SGLang do: the text stops there); its matcher goes with its row."""
+    spec = GrammarSpec("regex", r"[a-z]{3,8}-[0-9]{4}")
+    params = [GenerationParams(sampling=SamplingParams(temperature=1.0, seed=i, grammar=spec),
+                               max_new_tokens=40, stop_strings=("-",)) for i in range(4)]
+    for _, text, reason in run(engine, prompts_of(tiny_tok, 4), params):
+        assert re.fullmatch(r"[a-z]{3,8}", text), text
+        assert reason is FinishReason.STOP
+    assert grammar_rows(engine) == 0
+    assert_drained(engine)
 
 
 def test_abort_with_an_active_grammar_leaves_nothing(engine: Engine, tiny_tok: Path) -> None:
