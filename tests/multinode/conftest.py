@@ -145,13 +145,13 @@ def app_config(model: Path, **overrides: object) -> AppConfig:
     settings: dict[str, object] = dict(
         model=str(model), served_model_name=MODEL_NAME, device="cpu", use_gpu_bundles=True,
         tp=2, replicas=2, max_total_tokens=4096, max_running_requests=32,
-        max_context_len=512, health_check_period_s=1.0, startup_timeout_s=60.0,
+        max_context_len=512, health_check_period_s=1.0, startup_timeout_s=120.0,
         debug_cache_audit=True)
     settings.update(overrides)
     return AppConfig(**settings)  # type: ignore[arg-type]
 
 
-def deploy(app: str, config: AppConfig, timeout_s: float = 120.0) -> DeploymentHandle:
+def deploy(app: str, config: AppConfig, timeout_s: float = 240.0) -> DeploymentHandle:
     """Deploy the real app under `app` and wait (bounded) until it runs; its engine handle."""
     from raydix.deploy.app import build_app
 
