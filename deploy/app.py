@@ -28,6 +28,7 @@ from .config import (
 )
 from .cpu_threads import default_cpu_threads
 from .ingress import OpenAIIngress
+from .serve_env import replica_runtime_env
 from .server import EngineFactory, EngineServer, ReplicaSettings, build_engine, replica_bundles
 from .stats_board import StatsBoard
 
@@ -82,7 +83,7 @@ def bind_app(config: AppConfig, engine_factory: EngineFactory = build_engine) ->
         name=ENGINE_DEPLOYMENT,
         # above the engine's own admission bound, so the engine answers "overloaded" (503)
         max_ongoing_requests=config.max_running_requests + config.max_waiting_requests + 64,
-        ray_actor_options={"num_cpus": cpu_threads or 1},
+        ray_actor_options={"num_cpus": cpu_threads or 1, "runtime_env": replica_runtime_env()},
         health_check_period_s=config.health_check_period_s,
         health_check_timeout_s=60,
         graceful_shutdown_timeout_s=config.shutdown_timeout,
@@ -92,7 +93,8 @@ def bind_app(config: AppConfig, engine_factory: EngineFactory = build_engine) ->
         **request_router_options(config),  # type: ignore[arg-type]
     )
     board = _deployment(StatsBoard).options(
-        name=STATS_BOARD_DEPLOYMENT, num_replicas=1, ray_actor_options={"num_cpus": 0},
+        name=STATS_BOARD_DEPLOYMENT, num_replicas=1,
+        ray_actor_options={"num_cpus": 0, "runtime_env": replica_runtime_env()},
         max_ongoing_requests=1024,
         logging_config={"enable_access_log": False},  # a report per replica per second
     ).bind()
@@ -111,7 +113,7 @@ def bind_app(config: AppConfig, engine_factory: EngineFactory = build_engine) ->
         max_ongoing_requests=MAX_INGRESS_ONGOING_REQUESTS,
         graceful_shutdown_timeout_s=config.shutdown_timeout,  # its streams end with them
         graceful_shutdown_wait_loop_s=GRACEFUL_WAIT_LOOP_S,
-        ray_actor_options={"num_cpus": 0},
+        ray_actor_options={"num_cpus": 0, "runtime_env": replica_runtime_env()},
     )
     app = ingress.bind(engine_app, board, model_path, config.model_name,
                        engine.scheduler.max_context_len, config.max_request_bytes,

@@ -106,12 +106,14 @@ def serve_forever(config: AppConfig) -> None:
     from ray import serve
 
     from .app import build_app
+    from .serve_env import export_for_local_ray
 
     _catch_stop_signals()
     logger.info("preparing the model %s", config.model)
     resolve_model_path(config)  # the default model is converted here, once, with a progress bar
     if config.address is None:
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a local, single-user instance
+        export_for_local_ray()  # Serve's proxy and controller take its settings from here
         num_cpus = max(os.cpu_count() or 1, local_cpus_needed(config))
         logger.info("starting a local Ray (%d CPUs)", num_cpus)
         # "local": a new instance even when another Ray runs on this machine (`ray start`),

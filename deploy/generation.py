@@ -126,6 +126,13 @@ class ChoiceStreams:
 
     async def events(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(choice position, output) in arrival order, until every request finishes."""
+        if len(self._gens) == 1:  # one request: its stream as it comes, no task between
+            try:
+                async for out in self._one():
+                    yield 0, out
+            finally:
+                self.cancel()
+            return
         queue: asyncio.Queue[tuple[int, RequestOutput] | BaseException] = asyncio.Queue()
         tasks = [asyncio.create_task(self._pump(i, queue)) for i in range(len(self._gens))]
         try:
@@ -160,6 +167,28 @@ class ChoiceStreams:
             raise
         except Exception as e:
             queue.put_nowait(_api_error(e) or e)
+
+    async def _one(self) -> AsyncIterator[RequestOutput]:
+        """The outputs of the only request, with `_pump`'s errors."""
+        batch = self._first[0]
+        while True:
+            for out in batch:
+                self._done[0] = out.finished
+                yield out
+                if out.finished:
+                    return
+            try:
+                batch = await self._gens[0].__anext__()
+            except StopAsyncIteration:
+                raise RuntimeError(f"the engine ended request {self.choices[0].rid} without a "
+                                   "finish reason") from None
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                error = _api_error(e)
+                if error is None:
+                    raise
+                raise error from e
 
     def cancel(self) -> None:
         """Abort every request that has not finished (the engine frees its KV)."""

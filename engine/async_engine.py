@@ -6,8 +6,9 @@ steps, runs ``engine.step()`` while there is work and sleeps on a condition othe
 request's outputs travel back through its own ``asyncio.Queue``, as token ids; the loop thread
 fills the queues with one ``loop.call_soon_threadsafe`` per step for all the requests of a
 caller's event loop, and a caller that fell behind takes the steps it missed as one chunk (no
-timer: the first token goes at once). The request's output processor turns them into text and checks stop strings on the caller's event loop, off the step
-thread, and aborts the request in the engine when a stop string ends it.
+timer: the first token goes at once), their outputs merged into one. The request's output
+processor turns them into text and checks stop strings on the caller's event loop, off the
+step thread, and aborts the request in the engine when a stop string ends it.
 
 Admission is bounded: at most ``max_running_requests + max_waiting_requests`` requests are in
 flight; one more raises `EngineOverloadedError` at once instead of queueing without end.
@@ -145,7 +146,7 @@ class AsyncEngine:
                 finished = error is not None or any(out.finished for out in item)
                 outputs = [o for out in item if (o := processor.process(out)) is not None]
                 if outputs:
-                    yield outputs
+                    yield [merge_outputs(outputs)]
                 if error is not None:
                     raise error
         finally:
@@ -277,6 +278,18 @@ class AsyncEngine:
         for loop, items in by_loop.items():
             with contextlib.suppress(RuntimeError):  # the caller's loop is closed: nobody waits
                 loop.call_soon_threadsafe(_put_all, items)
+
+
+def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:
+    """A request's outputs of consecutive steps as one: one message and one SSE event for the
+    chunk instead of one per step."""
+    if len(outputs) == 1:
+        return outputs[0]
+    return outputs[-1]._replace(
+        new_token_ids=tuple(t for out in outputs for t in out.new_token_ids),
+        text="".join(out.text for out in outputs),
+        logprobs=tuple(lp for out in outputs for lp in out.logprobs),
+        top_logprobs=tuple(top for out in outputs for top in out.top_logprobs))
 
 
 def _put_all(items: list[tuple[asyncio.Queue[_Item], _Item]]) -> None:

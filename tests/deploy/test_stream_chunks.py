@@ -7,8 +7,8 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from raydix.engine.async_engine import AsyncEngine
-from raydix.engine.request import GenerationParams, RequestOutput
+from raydix.engine.async_engine import AsyncEngine, merge_outputs
+from raydix.engine.request import FinishReason, GenerationParams, RequestOutput, Usage
 
 from .test_async_engine import PROMPTS, make_engine
 
@@ -40,6 +40,8 @@ def test_a_slow_reader_gets_the_missed_steps_as_one_chunk(tiny_llama: Path) -> N
         assert chunks[-1][-1].finished and not any(o.finished for c in chunks[:-1] for o in c)
     assert sum(len(out.new_token_ids) for out in slow[0]) == 1  # the first token at once
     assert len(slow) < len(fast) / 2  # the slow reader's chunks carried several steps
+    assert all(len(c) == 1 for c in slow + fast)  # each chunk's steps merged into one output
+    assert max(len(c[0].new_token_ids) for c in slow) > 1
 
 
 def test_one_wake_up_per_step_for_all_streams(tiny_llama: Path) -> None:
@@ -70,3 +72,16 @@ def test_one_wake_up_per_step_for_all_streams(tiny_llama: Path) -> None:
     finally:
         engine.shutdown()
     assert wake_ups <= num_steps  # not one per request and step (4 streams here)
+
+
+def test_merged_outputs_keep_every_token_in_order() -> None:
+    usage = [Usage(5, 0, i) for i in (1, 2, 4)]
+    steps = [RequestOutput("r", (7,), "a", None, usage[0], (-0.5,), (((7, -0.5),),)),
+             RequestOutput("r", (8,), "", None, usage[1], (-0.25,), (((8, -0.25),),)),
+             RequestOutput("r", (9, 10), "bc", FinishReason.LENGTH, usage[2], (-1.0, -2.0),
+                           (((9, -1.0),), ((10, -2.0),)))]
+    merged = merge_outputs(steps)
+    assert merged == RequestOutput("r", (7, 8, 9, 10), "abc", FinishReason.LENGTH, usage[2],
+                                   (-0.5, -0.25, -1.0, -2.0),
+                                   (((7, -0.5),), ((8, -0.25),), ((9, -1.0),), ((10, -2.0),)))
+    assert merge_outputs(steps[:1]) is steps[0]
