@@ -5,10 +5,8 @@ A choice is one (prompt, sample) pair: `n` samples of `p` prompts make `p * n` e
 with ids `<request id>-<index>`. Seeded requests use `seed + sample` so the samples differ and
 stay reproducible.
 
-The engine requests go through the handle by value: Serve streams them over its gRPC channel
-between replicas instead of as Ray objects (`benchmarks/serve_bench.py` measured the engine
-replica's CPU per token at one stream 4.3-4.9 ms this way against 5.9-6.7 ms as Ray objects,
-the in-process engine's being 3.2-4.3 ms).
+The engine requests go through the handle by value (`serve_env.py`): Serve streams them over
+its gRPC channel between replicas instead of as one Ray object per chunk.
 
 Faults: a request whose replica was lost (its actor died, or its engine stopped) before it
 produced anything is sent again, up to `MAX_ATTEMPTS` times in all, and the router picks a
@@ -94,9 +92,7 @@ class ChoiceStreams:
 
     def __init__(self, handle: DeploymentHandle[EngineServer], choices: list[Choice]) -> None:
         self.choices = choices
-        # by value: the stream comes over Serve's gRPC channel between replicas, not as one
-        # Ray object per chunk (a third of the engine replica's CPU per token at one stream)
-        self._handle = handle.options(stream=True, _by_reference=False)
+        self._handle = handle.options(stream=True)
         self._gens: list[_Stream] = [self._send(c) for c in choices]
         self._first: list[list[RequestOutput]] = []
         self._done = [False] * len(choices)
