@@ -1,15 +1,19 @@
 """Ray Serve's own settings for raydix's processes, chosen for a token stream.
 
 By default Serve sends each item a deployment streams (a chunk of tokens from the engine
-replica, the SSE chunks from the ingress to the proxy) as a Ray object, runs a replica's code on
-a second event loop in a thread of its own, and a handle's router on a third. raydix asks for
-what Serve's throughput-optimized mode does on these points: items go over Serve's gRPC channel
-between its processes (by value), and a replica's code and its handles' router run on the
-replica's main event loop (the engine steps in its own thread whatever this says). Measured
+replica, the SSE chunks from the ingress to the proxy) as a Ray object, and runs a handle's
+router on an event loop in a thread of its own. raydix asks for what Serve's
+throughput-optimized mode does on these points: items go over Serve's gRPC channel between its
+processes (by value), and the handles' router runs on the replica's main event loop. Measured
 with `benchmarks/serve_bench.py` (the tiny model on 2 cores, one run): the engine replica's CPU
 per output token at one stream fell from 5.9-6.7 ms to 4.3-4.9 ms (the in-process engine's:
 3.2-4.3 ms), the ingress's from 1.7-2.0 ms to 0.7-0.9 ms, and 64 streams went from 965-1120 to
-1455 tokens/s. Each setting can be overridden by exporting it before `raydix serve`.
+1455-1481 tokens/s. Each setting can be overridden by exporting it before `raydix serve`.
+
+Serve's mode also runs a replica's code on its main event loop. That made no measurable
+difference here, an engine replica's constructor (loading, starting its ranks) would then hold
+that loop, and with it the TP=2 replicas of the multi-node fault test did not start their ranks
+within 60 s (one run, on a loaded machine): raydix leaves it off.
 
 The settings reach raydix's replicas through their runtime environment (on any cluster) and,
 for the local Ray that `raydix serve` starts, Serve's proxy and controller through the
@@ -22,7 +26,6 @@ import os
 
 SERVE_SETTINGS = {
     "RAY_SERVE_USE_GRPC_BY_DEFAULT": "1",
-    "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
     "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
 }
 
