@@ -94,7 +94,7 @@ def bind_app(config: AppConfig, engine_factory: EngineFactory = build_engine) ->
     )
     board = _deployment(StatsBoard).options(
         name=STATS_BOARD_DEPLOYMENT, num_replicas=1,
-        ray_actor_options={"num_cpus": 0, "runtime_env": replica_runtime_env()},
+        ray_actor_options={"num_cpus": 0, "runtime_env": replica_runtime_env(True)},
         max_ongoing_requests=1024,
         logging_config={"enable_access_log": False},  # a report per replica per second
     ).bind()
@@ -113,7 +113,7 @@ def bind_app(config: AppConfig, engine_factory: EngineFactory = build_engine) ->
         max_ongoing_requests=MAX_INGRESS_ONGOING_REQUESTS,
         graceful_shutdown_timeout_s=config.shutdown_timeout,  # its streams end with them
         graceful_shutdown_wait_loop_s=GRACEFUL_WAIT_LOOP_S,
-        ray_actor_options={"num_cpus": 0, "runtime_env": replica_runtime_env()},
+        ray_actor_options={"num_cpus": 0, "runtime_env": replica_runtime_env(True)},
     )
     app = ingress.bind(engine_app, board, model_path, config.model_name,
                        engine.scheduler.max_context_len, config.max_request_bytes,

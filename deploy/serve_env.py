@@ -10,10 +10,12 @@ per output token at one stream fell from 5.9-6.7 ms to 4.3-4.9 ms (the in-proces
 3.2-4.3 ms), the ingress's from 1.7-2.0 ms to 0.7-0.9 ms, and 64 streams went from 965-1120 to
 1455-1481 tokens/s. Each setting can be overridden by exporting it before `raydix serve`.
 
-Serve's mode also runs a replica's code on its main event loop. That made no measurable
-difference here, an engine replica's constructor (loading, starting its ranks) would then hold
-that loop, and with it the TP=2 replicas of the multi-node fault test did not start their ranks
-within 60 s (one run, on a loaded machine): raydix leaves it off.
+Serve's mode also runs a replica's code on its main event loop. raydix does so in the ingress
+and the stats board (the ingress's CPU per token at 16 and 64 streams: 0.3 ms with it, 0.6-0.7
+ms without, in two runs at different times), but not in the engine replica: there it made no
+measurable difference, its constructor (loading, starting its ranks) would hold that loop, and
+with it the TP=2 replicas of the multi-node fault test did not start their ranks within 60 s
+(one run, on a loaded machine).
 
 The settings reach raydix's replicas through their runtime environment (on any cluster) and,
 for the local Ray that `raydix serve` starts, Serve's proxy and controller through the
@@ -28,16 +30,18 @@ SERVE_SETTINGS = {
     "RAY_SERVE_USE_GRPC_BY_DEFAULT": "1",
     "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
 }
+USER_CODE_ON_MAIN_LOOP = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
 
 
-def serve_env() -> dict[str, str]:
+def serve_env(user_code_on_main_loop: bool = False) -> dict[str, str]:
     """The settings, each as this process's environment sets it, else raydix's choice."""
-    return {name: os.environ.get(name, value) for name, value in SERVE_SETTINGS.items()}
+    chosen = SERVE_SETTINGS | (USER_CODE_ON_MAIN_LOOP if user_code_on_main_loop else {})
+    return {name: os.environ.get(name, value) for name, value in chosen.items()}
 
 
-def replica_runtime_env() -> dict[str, dict[str, str]]:
+def replica_runtime_env(user_code_on_main_loop: bool = False) -> dict[str, dict[str, str]]:
     """The runtime environment of raydix's Serve replicas."""
-    return {"env_vars": serve_env()}
+    return {"env_vars": serve_env(user_code_on_main_loop)}
 
 
 def export_for_local_ray() -> None:
