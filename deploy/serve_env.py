@@ -12,14 +12,15 @@ per output token at one stream fell from 5.9-6.7 ms to 4.3-4.9 ms (the in-proces
 
 Serve's mode also runs a replica's code on its main event loop. raydix does so in the ingress
 and the stats board (the ingress's CPU per token at 16 and 64 streams: 0.3 ms with it, 0.6-0.7
-ms without, in two runs at different times), but not in the engine replica: there it made no
-measurable difference, its constructor (loading, starting its ranks) would hold that loop, and
-with it the TP=2 replicas of the multi-node fault test did not start their ranks within 60 s
-(one run, on a loaded machine).
+ms without, in two runs at different times). The engine replica keeps all of Serve's defaults:
+the stream's transport is chosen by its caller (the ingress's handle), its own calls are only
+the stats reports, running its code on the main loop made no measurable difference, and with it
+the TP=2 replicas of the multi-node fault test did not start their ranks within 60 s (one run,
+on a loaded machine; its constructor, which loads and starts the ranks, would hold that loop).
 
-The settings reach raydix's replicas through their runtime environment (on any cluster) and,
-for the local Ray that `raydix serve` starts, Serve's proxy and controller through the
-environment they inherit.
+The settings reach the ingress and the stats board through their runtime environment (on any
+cluster) and, for the local Ray that `raydix serve` starts, Serve's proxy and controller (and
+the engine replicas) through the environment they inherit.
 """
 
 from __future__ import annotations
