@@ -2,7 +2,8 @@
 
 On a loaded 2-core machine, Ray's node start-up now and then exceeds Ray's own limit ("The
 current node timed out during startup"), and a second start succeeds. Any other failure, and a
-second time-out, is raised.
+second time-out, is raised. The Ray is always a new local one (`address="local"`), never a
+cluster that another process on the machine happens to run.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import ray
 
 
 def init_ray(**kwargs: Any) -> None:
+    kwargs.setdefault("address", "local")
     try:
         ray.init(**kwargs)
     except Exception as e:
