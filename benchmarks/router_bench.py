@@ -127,9 +127,12 @@ def bench_model(folder: Path) -> str:
     return str(folder)
 
 
-def _workloads(args: argparse.Namespace) -> list[Workload]:
-    every = {"tenants": lambda: tenants(args.replicas * args.kv_tokens, args.pressure),
-             "zipf": zipf, "sessions": sessions}
+def _workloads(args: argparse.Namespace, seed: int) -> list[Workload]:
+    """The workloads of one arrival mode: the closed loop gets other prompts (another seed) than
+    the Poisson run before it, so it starts on pools full of prefixes it will not use."""
+    every = {"tenants": lambda: tenants(args.replicas * args.kv_tokens, args.pressure,
+                                        seed=seed),
+             "zipf": lambda: zipf(seed=seed + 1), "sessions": lambda: sessions(seed=seed + 2)}
     return [every[name]() for name in args.workloads]
 
 
@@ -159,7 +162,10 @@ def http_compare(args: argparse.Namespace) -> None:
     from raydix.deploy.app import build_app
     from raydix.deploy.config import AppConfig
 
-    workloads = _workloads(args)
+    instances = {mode: _workloads(args, 0 if mode == "poisson" else 100) for mode in args.modes}
+    workloads = instances[args.modes[0]]
+    ideal = {f"{w.name}/{mode}": ideal_hit_rate(w.prompts)
+             for mode, ws in instances.items() for w in ws}
     rates = {**DEFAULT_RATES, **{k: float(v) for k, v in (r.split("=") for r in args.rate)}}
     model = args.model
     if model == "bench":
@@ -170,7 +176,7 @@ def http_compare(args: argparse.Namespace) -> None:
     serve.start(http_options={"host": "127.0.0.1", "port": args.port})
     url = f"http://127.0.0.1:{args.port}"
     results: Results = {}
-    context = max(w.max_prompt_len + w.max_tokens for w in workloads) + 8
+    context = max(w.max_prompt_len + w.max_tokens for ws in instances.values() for w in ws) + 8
     for w in workloads:
         print(f"{w.name}: {w.note}; ideal hit rate {ideal_hit_rate(w.prompts):.3f}", flush=True)
     try:
@@ -187,10 +193,11 @@ def http_compare(args: argparse.Namespace) -> None:
             app = f"bench-{router}"
             serve.run(build_app(config), name=app, route_prefix="/")
             warm_up(url, args.replicas)
-            for w in workloads:
+            for i, w in enumerate(workloads):
                 for mode in args.modes:
                     run = f"{w.name}/{mode}"
-                    r = run_workload(url, w, args.concurrency if mode == "closed" else None,
+                    r = run_workload(url, instances[mode][i],
+                                     args.concurrency if mode == "closed" else None,
                                      rates[w.name] if mode == "poisson" else None)
                     results.setdefault(router, {})[run] = r
                     print(f"{router:>14} {run:>16}: hit {r['hit_rate']:.3f}, "
@@ -203,20 +210,18 @@ def http_compare(args: argparse.Namespace) -> None:
         ray.shutdown()
     report = []
     for w in workloads:
-        ideal = ideal_hit_rate(w.prompts)
         for mode in args.modes:
             run = f"{w.name}/{mode}"
             load = f"{rates[w.name]:g} sessions/s" if mode == "poisson" else \
                 f"{args.concurrency} in flight"
-            report += [f"### {run} ({w.note}; {load})", "", table(results, run, ideal), "",
-                       ratios(results, run, ideal), ""]
+            report += [f"### {run} ({w.note}; {load})", "", table(results, run, ideal[run]),
+                       "", ratios(results, run, ideal[run]), ""]
         report += ["```", text_plot(results, w.name), "```", ""]
     print("\n".join(report))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "rates": rates, "results": results,
-                       "ideal": {w.name: ideal_hit_rate(w.prompts) for w in workloads}}, f,
-                      indent=2)
+                       "ideal": ideal}, f, indent=2)
 
 
 def main() -> None:

@@ -174,7 +174,7 @@ class AppConfig(BaseModel):
     miss_cost: float = Field(
         2.0, ge=1, description="cache_aware, ttft: what a prompt token the replica must compute "
         "counts against a token of another request's queue (its own wait and the capacity it "
-        "takes from the requests behind it)"
+        "takes from the requests behind it), on an empty KV pool; twice that on a full one"
     )
     cache_threshold: float = Field(
         0.5, ge=0, le=1, description="cache_aware, threshold: least share of the prompt a "

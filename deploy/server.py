@@ -198,7 +198,9 @@ class EngineServer:
             self._reporter = loop.create_task(
                 report_loop(self.stats, stats_board, report_period_s))
         self._router_reporter: asyncio.Task[None] | None = None
+        self._kv_capacity = 0
         if routing is not None:
+            self._kv_capacity = self.engine.engine.cache_stats().kv_capacity
             router = get_or_create_router(_app_name(), engine_config.scheduler.page_size, routing,
                                           exact=events is not None,
                                           max_approx_tokens=settings.router_approx_tokens)
@@ -216,7 +218,7 @@ class EngineServer:
         a torn read is off by a step and the next report corrects it. Waiting includes the
         requests not yet taken by the engine, which is busy with a step."""
         running, waiting = self.engine.running_and_waiting()
-        return LoadReport(running, waiting, self.engine.metrics().token_usage)
+        return LoadReport(running, waiting, self.engine.metrics().token_usage, self._kv_capacity)
 
     async def generate(self, prompt_ids: Sequence[int], params: GenerationParams,
                        rid: str) -> AsyncIterator[list[RequestOutput]]:

@@ -82,9 +82,10 @@ class RouterActor:
         return self.state.publish(replica, events)
 
     def report_load(
-        self, replica: str, num_running: int, num_waiting: int, kv_usage: float
+        self, replica: str, num_running: int, num_waiting: int, kv_usage: float,
+        kv_capacity: int = 0,
     ) -> None:
-        self.state.report_load(replica, num_running, num_waiting, kv_usage)
+        self.state.report_load(replica, num_running, num_waiting, kv_usage, kv_capacity)
 
     def replica_ids(self) -> list[str]:
         """The replicas the router knows, in id order."""

@@ -48,7 +48,8 @@ class RoutingPolicyConfig:
     # ttft: what each request on a replica (running, waiting or just routed) adds to the wait
     # of a new one, in prompt tokens, beside the prompt tokens it has yet to compute
     request_cost_tokens: float = 32.0
-    # ttft: what a prompt token to compute counts against a token of another request's queue
+    # ttft: what a prompt token to compute counts against a token of another request's queue,
+    # on an empty pool; on a full one twice that (it evicts prefixes others would hit)
     miss_cost: float = 2.0
     cache_threshold: float = 0.5
     balance_abs_threshold: int = 32

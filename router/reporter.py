@@ -4,8 +4,8 @@ A replica runs one ``ReplicaReporter`` task on its event loop. Every ``period_s`
 cache events its engine buffered and reads its load, and sends both to the router actor. Calls
 from one caller reach an actor in order, so events arrive in sequence.
 
-The load goes when it changed, and at least every ``heartbeat_s`` (the router counts requests
-routed since the last load report). The router answers each batch of events (an empty batch at
+The load goes when it changed, with every batch of events, and at least every ``heartbeat_s``
+(the router counts requests routed since the last load report). The router answers each batch of events (an empty batch at
 least every ``heartbeat_s``) with
 whether it needs this replica's snapshot: after a router restart, a late registration or lost
 events, it no longer knows what the replica holds. The reporter then has the engine send its
@@ -35,6 +35,7 @@ class LoadReport(NamedTuple):
     num_running: int
     num_waiting: int
     kv_usage: float
+    kv_capacity: int = 0  # the KV pool's tokens (0: not known)
 
 
 class ReplicaReporter:
@@ -75,7 +76,9 @@ class ReplicaReporter:
             answer = self.router.publish.remote(self.replica_id, events)
             self._last_publish = now
         load = self._read_load()
-        if load != self._last_load or now - self._last_load_at >= self.heartbeat_s:
+        # with events, always: a request that came and went between two reads leaves the load
+        # unchanged, and the router would count it as routed-but-unreported until a heartbeat
+        if events or load != self._last_load or now - self._last_load_at >= self.heartbeat_s:
             self.router.report_load.remote(self.replica_id, *load)
             self._last_load, self._last_load_at = load, now
         return answer

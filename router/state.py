@@ -41,6 +41,7 @@ class ReplicaLoad:
     num_unreported: int = 0  # requests routed to it since its last load report
     last_event_seq: int = -1
     needs_snapshot: bool = False  # its events stopped following on; see `RouterState.publish`
+    kv_capacity: int = 0  # its KV pool's tokens, as last reported (0: not known)
     decisions: int = 0
     hit_tokens: int = 0
     prompt_tokens: int = 0
@@ -122,8 +123,8 @@ class RouterState:
         loads = {name: self.replicas[name].load for name in names}
         if self._by_ttft:
             backlog = {name: self.in_flight.backlog(name) for name in names}
-            held = {name: float(self.tree.held_tokens(name)) for name in names}
-            decision = self.ttft_policy.choose(names, len(tokens), matched, loads, backlog, held)
+            fill = {name: self._fill(name, backlog[name]) for name in names}
+            decision = self.ttft_policy.choose(names, len(tokens), matched, loads, backlog, fill)
         else:
             fullness = {name: self.replicas[name].fullness for name in names}
             decision = self.policy.choose(names, len(tokens), matched, loads, fullness)
@@ -141,6 +142,12 @@ class RouterState:
             self.tree.evict_lru(self.max_approx_tokens)
         self.stats.record(time.perf_counter_ns() - start)
         return decision
+
+    def _fill(self, name: ReplicaId, backlog: float) -> float:
+        """The share of its KV pool a replica's cache holds, with its backlog (0 while its
+        capacity is not known)."""
+        capacity = self.replicas[name].kv_capacity
+        return (self.tree.held_tokens(name) + backlog) / capacity if capacity else 0.0
 
     def _add_host_hits(self, matched: dict[ReplicaId, int], tokens: npt.NDArray[np.int32],
                        extra_key: Hashable) -> None:
@@ -191,10 +198,13 @@ class RouterState:
         num_running: int,
         num_waiting: int,
         kv_usage: float,
+        kv_capacity: int = 0,
     ) -> None:
         state = self.replicas.get(replica)
         if state is None:
             return
+        if kv_capacity:
+            state.kv_capacity = kv_capacity
         state.num_running = num_running
         state.fullness = Fullness(num_waiting, kv_usage)
         state.num_unreported = 0

@@ -4,14 +4,14 @@ A request's first token waits for the prompt tokens its replica must compute: th
 prompt the replica does not hold, behind the prompt tokens of the requests already routed there
 and not yet computed (the replica's prefill backlog), and a little for each request the replica
 runs (their decode steps share its steps). The tokens it computes also delay every request
-that comes after it there, and take pool space from the prefixes the replica holds, which
-the requests that would hit them must compute again. That second part grows with what the
-replica holds: a token to compute counts ``1 + (miss_cost - 1) * footprint / mean footprint``,
-where a replica's footprint is the tokens it holds plus its backlog (so with ``miss_cost`` 2,
-twice on a replica holding the mean, once on an empty one). Each replica's cost, in prompt
-tokens, is
+that comes after it there, so a token to compute counts ``miss_cost`` (default 2) against a
+token of another request's queue; and they take pool space from the prefixes the replica
+holds, which the requests that would hit them must compute again, a cost that grows as its
+pool fills: the weight is ``miss_cost * (1 + fill)``, where ``fill`` is the share of the
+replica's KV pool that its cache and backlog hold (0 while its capacity is not reported).
+Each replica's cost, in prompt tokens, is
 
-    that weight * (prompt_len - matched) + backlog_tokens + request_cost_tokens * load
+    miss_cost * (1 + fill) * (prompt_len - matched) + backlog_tokens + request_cost_tokens * load
 
 and the cheapest replica gets the request. No hit threshold: a holder's cached length is
 weighed against its queue. What follows from it:
@@ -19,8 +19,8 @@ weighed against its queue. What follows from it:
 - a holder keeps its group's requests while its backlog is shorter than about ``miss_cost``
   times the prefix a cold replica would compute (a burst of one group's cold requests stays
   together: the first one's prefix, queued, costs the others less than computing it again);
-- new prefixes go where the least is held, so under cache pressure each replica keeps about
-  its share of them instead of evicting its own;
+- new prefixes go where the pool is least full, so under cache pressure each replica keeps
+  about its share of them instead of evicting its own;
 - a hot prefix whose holder falls behind by more than the prefix spills to the replica that is
   cheapest with the prefix computed again: it becomes a second holder, and from then on the
   group's requests go to whichever holder is cheaper (the prefix is replicated where load needs
@@ -54,10 +54,10 @@ class ExpectedTTFTPolicy:
         self._turn = 0
 
     def cost(self, prompt_len: int, matched: int, backlog: float, load: float,
-             footprint_share: float = 1.0) -> float:
+             fill: float = 0.0) -> float:
         """A replica's expected wait for this prompt's first token, in prompt tokens, with the
-        tokens it must compute weighed by its footprint over the mean (``footprint_share``)."""
-        weight = 1.0 + (self.miss_cost - 1.0) * footprint_share
+        tokens it must compute weighed ``miss_cost * (1 + fill)``."""
+        weight = self.miss_cost * (1.0 + fill)
         return weight * (prompt_len - matched) + backlog + self.request_cost_tokens * load
 
     def choose(
@@ -67,20 +67,19 @@ class ExpectedTTFTPolicy:
         matched: Mapping[ReplicaId, int],
         loads: Mapping[ReplicaId, float],
         backlog: Mapping[ReplicaId, float],
-        held: Mapping[ReplicaId, float] | None = None,
+        fill: Mapping[ReplicaId, float] | None = None,
     ) -> RoutingDecision:
-        """``backlog``: per replica, prompt tokens routed there and not yet computed; ``held``:
-        the tokens it holds (none given: every replica's footprint counts as the mean)."""
+        """``backlog``: per replica, prompt tokens routed there and not yet computed; ``fill``:
+        the share of its KV pool its cache and backlog hold (none given: 0)."""
         if not replicas:
             raise ValueError("no replica to route to")
-        footprint = {r: (held or {}).get(r, 0.0) + backlog.get(r, 0.0) for r in replicas}
-        mean = sum(footprint.values()) / len(replicas)
+        fill = fill or {}
         best: list[ReplicaId] = []
         best_key: tuple[float, int, float] | None = None
         for r in replicas:
             m, load = matched.get(r, 0), loads.get(r, 0.0)
-            share = footprint[r] / mean if held is not None and mean > 0 else 1.0
-            key = (self.cost(prompt_len, m, backlog.get(r, 0.0), load, share), -m, load)
+            key = (self.cost(prompt_len, m, backlog.get(r, 0.0), load, fill.get(r, 0.0)), -m,
+                   load)
             if best_key is None or key < best_key:
                 best, best_key = [r], key
             elif key == best_key:

@@ -73,14 +73,38 @@ def test_load_counts_per_request() -> None:
     assert policy.choose(R, 400, {"r0": 400}, loads, {}) == ("r0", 400, "cache")  # 200 < 400
 
 
-def test_new_prefixes_go_where_the_least_is_held() -> None:
-    """Equal queues: a cold prompt goes to the replica holding the fewest tokens, though
-    another is a little less busy; with nothing held, the less busy one."""
+def test_new_prefixes_go_where_the_pool_is_least_full() -> None:
+    """Equal queues: a cold prompt goes to the replica whose pool is least full, though
+    another is a little less busy; with every pool empty, the less busy one."""
     policy = ExpectedTTFTPolicy(request_cost_tokens=32)
     loads = {"r0": 0, "r1": 2, "r2": 1}
-    held = {"r0": 3000.0, "r1": 1000.0, "r2": 2000.0}
-    assert policy.choose(R, 1000, {}, loads, {}, held).replica == "r1"
+    fill = {"r0": 0.75, "r1": 0.25, "r2": 0.5}
+    assert policy.choose(R, 1000, {}, loads, {}, fill).replica == "r1"
     assert policy.choose(R, 1000, {}, loads, {}, dict.fromkeys(R, 0.0)).replica == "r0"
+
+
+def test_sequential_groups_keep_one_home() -> None:
+    """Requests one at a time (each computed and reported before the next): every group stays
+    on the replica that computed its prefix first, and the groups spread."""
+    rng = np.random.default_rng(0)
+    prefixes = [rng.integers(2, 500, 64).tolist() for _ in range(3)]
+    items = [(g, prefixes[g] + rng.integers(2, 500, int(rng.integers(8, 25))).tolist())
+             for g in range(3) for _ in range(8)]
+    state = RouterState(page_size=1)
+    state.set_replicas(R)
+    buffers = {r: EventBuffer() for r in R}
+    caches = {r: RadixCache(event_sink=buffers[r]) for r in R}
+    slots = itertools.count(1)
+    homes: dict[int, set[str]] = {}
+    for i in rng.permutation(len(items)):
+        group, prompt = items[i]
+        r = str(state.route(prompt).replica)
+        homes.setdefault(group, set()).add(r)
+        caches[r].insert(prompt + [7] * 4, [next(slots) for _ in range(len(prompt) + 4)])
+        state.publish(r, buffers[r].drain())
+        state.report_load(r, 0, 0, 0.0, kv_capacity=4096)
+    assert all(len(h) == 1 for h in homes.values()), homes
+    assert len(set().union(*homes.values())) == 3
 
 
 def test_cold_prompts_spread_over_idle_replicas() -> None:
@@ -106,11 +130,12 @@ class Reference:
     """The rule in plain terms: matched = what the replica's cache holds, or the longest
     prefix shared with a prompt routed there and not yet in its cache; backlog = the prompt
     tokens those routed prompts brought that their replica did not hold; footprint = the
-    tokens its cache holds (its own count) plus its backlog."""
+    tokens its cache holds (its own count) plus its backlog, over its reported capacity."""
 
     def __init__(self, request_cost: float, miss_cost: float) -> None:
         self.request_cost = request_cost
         self.miss_cost = miss_cost
+        self.capacity: dict[str, int] = {}
         self.pending: dict[str, list[tuple[list[int], int]]] = {r: [] for r in R}
         self.turn = 0
 
@@ -119,12 +144,12 @@ class Reference:
         keys = {}
         matched = {}
         backlog = {r: sum(c for _, c in self.pending[r]) for r in R}
-        footprint = {r: sum(caches[r].size_info) + backlog[r] for r in R}
-        mean = sum(footprint.values()) / len(R)
         for r in R:
             held = caches[r].match_prefix(np.asarray(prompt, dtype=np.int32)).cached_len
             matched[r] = max([held] + [_lcp(prompt, p) for p, _ in self.pending[r]])
-            weight = 1 + (self.miss_cost - 1) * (footprint[r] / mean if mean else 1.0)
+            fill = ((sum(caches[r].size_info) + backlog[r]) / self.capacity[r]
+                    if r in self.capacity else 0.0)
+            weight = self.miss_cost * (1 + fill)
             cost = weight * (len(prompt) - matched[r]) + backlog[r] + self.request_cost * loads[r]
             keys[r] = (cost, -matched[r], loads[r])
         low = min(keys.values())
@@ -175,7 +200,10 @@ def test_router_state_decides_as_the_reference(seed: int) -> None:
             reference.computed(r, caches[r], inserted)
         if rng.random() < 0.2:
             r = R[int(rng.integers(3))]
-            state.report_load(r, int(rng.integers(0, 4)), int(rng.integers(0, 3)), 0.5)
+            capacity = int(rng.integers(300, 3000))
+            state.report_load(r, int(rng.integers(0, 4)), int(rng.integers(0, 3)), 0.5,
+                              kv_capacity=capacity)
+            reference.capacity[r] = capacity
     state.in_flight.check_integrity()
     for r in R:
         assert state.in_flight.backlog(r) == sum(c for _, c in reference.pending[r])
