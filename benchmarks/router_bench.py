@@ -86,7 +86,7 @@ def decision_latency(num_tokens: int, num_replicas: int, page_size: int, queries
 
 
 ROUTERS: dict[str, dict[str, object]] = {
-    "cache_aware": {"router": "cache_aware"},
+    "cache_aware": {"router": "cache_aware", "routing_policy": "ttft"},
     "cache_aware_threshold": {"router": "cache_aware", "routing_policy": "threshold"},
     "round_robin": {"router": "round_robin"},
     "power_of_two": {"router": "power_of_two"},
