@@ -46,7 +46,9 @@ def test_router_flags_pick_the_request_router() -> None:
                    "--balance-rel-threshold", "2", "--saturated-kv-usage", "0.8",
                    "--router-decision-timeout-s", "0.2")
     assert config.router == "cache_aware"  # the default
-    assert routing_policy(config) == RoutingPolicyConfig(0.7, 8, 2.0, 0.8)
+    assert routing_policy(config) == RoutingPolicyConfig(
+        mode="threshold", cache_threshold=0.7, balance_abs_threshold=8,
+        balance_rel_threshold=2.0, saturated_kv_usage=0.8)
     options = request_router_options(config)["request_router_config"]
     assert options.get_request_router_class() is CacheAwareRequestRouter
     assert options.request_router_kwargs == {"decision_timeout_s": 0.2}
