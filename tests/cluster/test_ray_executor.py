@@ -14,15 +14,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from tests.ray_start import init_ray
+from tests.tiny_models import save_tiny_llama
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
 import ray
-import torch
 from ray.util.placement_group import placement_group, remove_placement_group
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from raydix.cluster.ray_executor import RayExecutor
 from raydix.workers.config import WorkerConfig
@@ -47,19 +46,8 @@ def ray_cluster() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def llama_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("tiny-llama")
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=256,
-        max_position_embeddings=256,
-    )
-    LlamaForCausalLM(config).save_pretrained(folder, safe_serialization=True)
-    return folder
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), seed=0, vocab_size=256,
+                           max_position_embeddings=256)
 
 
 PROMPTS = [[5, 17, 99, 3, 250, 42, 7, 128, 64], [200, 11, 11, 37, 90]]

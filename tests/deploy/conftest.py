@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.ray_start import init_ray
+from tests.tiny_models import copy_tokenizer, save_tiny_llama
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -76,20 +77,8 @@ def serve_cluster() -> Iterator[ServeCluster]:
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory: pytest.TempPathFactory, smollm2: Path) -> Path:
     """A tiny random Llama with the default model's tokenizer (fast to load, real text)."""
-    import shutil
-
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(1234)
-    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=2048, initializer_range=0.3,
-                         eos_token_id=2, bos_token_id=1, tie_word_embeddings=True)
-    folder = tmp_path_factory.mktemp("tiny-llama")
-    LlamaForCausalLM(config).save_pretrained(folder, safe_serialization=True)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
-                 "special_tokens_map.json"):
-        if (smollm2 / name).is_file():
-            shutil.copy(smollm2 / name, folder / name)
+    folder = save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), seed=1234, vocab_size=49152,
+                             max_position_embeddings=2048, initializer_range=0.3,
+                             eos_token_id=2, bos_token_id=1, tie_word_embeddings=True)
+    copy_tokenizer(smollm2, folder)
     return folder

@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from raydix.engine.config import EngineConfig, SchedulerConfig
 from raydix.engine.engine import Engine
 from raydix.workers.config import WorkerConfig
+from tests.tiny_models import TOKENIZER_FILES, copy_tokenizer, save_tiny_llama
 
 VOCAB = 128
 EOS = 1  # kept out of prompts; the engine stops on it unless ignore_eos
@@ -22,23 +20,9 @@ TOK_EOS = 2  # tiny_tok's: the default model's end of text
 
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    torch.manual_seed(4321)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        initializer_range=0.3,
-        eos_token_id=EOS,
-        bos_token_id=0,
-        tie_word_embeddings=False,
-    )
-    folder = tmp_path_factory.mktemp("tiny-llama")
-    LlamaForCausalLM(config).save_pretrained(folder, safe_serialization=True)
-    return folder
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), seed=4321, vocab_size=VOCAB,
+                           max_position_embeddings=1024, initializer_range=0.3,
+                           eos_token_id=EOS, bos_token_id=0, tie_word_embeddings=False)
 
 
 EngineFactory = Callable[..., Engine]
@@ -89,14 +73,8 @@ def smollm2(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_tok(tmp_path_factory: pytest.TempPathFactory, smollm2: Path) -> Path:
     """A tiny random Llama with the default model's tokenizer and vocabulary (what grammars
     compile against): unconstrained it writes garbage."""
-    torch.manual_seed(1234)
-    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=1024, initializer_range=0.3,
-                         eos_token_id=TOK_EOS, bos_token_id=1, tie_word_embeddings=True)
-    folder = tmp_path_factory.mktemp("tiny-tok")
-    LlamaForCausalLM(config).save_pretrained(folder, safe_serialization=True)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        if (smollm2 / name).is_file():
-            shutil.copy(smollm2 / name, folder / name)
+    folder = save_tiny_llama(tmp_path_factory.mktemp("tiny-tok"), seed=1234, vocab_size=49152,
+                             max_position_embeddings=1024, initializer_range=0.3,
+                             eos_token_id=TOK_EOS, bos_token_id=1, tie_word_embeddings=True)
+    copy_tokenizer(smollm2, folder, TOKENIZER_FILES[:2] + TOKENIZER_FILES[3:])
     return folder
