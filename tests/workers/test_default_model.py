@@ -5,6 +5,7 @@ equality with transformers on 3 prompts x 32 new tokens at TP=1 and TP=2 (3 KV h
 from __future__ import annotations
 
 import json
+import logging
 import os
 
 import numpy as np
@@ -14,6 +15,7 @@ from gguf import GGUFReader
 from gguf.quants import dequantize
 from safetensors import safe_open
 
+from raydix.workers.config import ModelConfig
 from raydix.workers.gguf_convert import convert_gguf
 
 from .conftest import DefaultModel
@@ -44,6 +46,15 @@ def test_conversion_writes_dequantized_gguf_tensors(default_model: DefaultModel)
     stamp = os.stat(folder / "model.safetensors").st_mtime_ns
     assert convert_gguf(default_model.gguf, folder.parent, show_progress=False) == folder
     assert os.stat(folder / "model.safetensors").st_mtime_ns == stamp
+
+
+def test_default_model_config_reads_without_a_warning(default_model: DefaultModel,
+                                                      caplog: pytest.LogCaptureFixture) -> None:
+    """Every field of the converted config is read or known to be inert: a user's first start
+    prints no warning about it."""
+    with caplog.at_level(logging.WARNING, logger="raydix"):
+        ModelConfig.from_folder(default_model.folder)
+    assert [r.getMessage() for r in caplog.records] == []
 
 
 @pytest.fixture(scope="module")

@@ -19,12 +19,13 @@ from ..config import RopeConfig
 logger = logging.getLogger(__name__)
 
 # fields that do not change inference: bookkeeping, training-only settings, token ids that the
-# engine reads elsewhere (bos/pad), and ones transformers derives into fields we do read
+# engine reads elsewhere (bos/pad) or never needs (unk: a tokenizer's, which transformers' GGUF
+# conversion writes into config.json), and ones transformers derives into fields we do read
 INERT = frozenset({
     "_name_or_path", "architectures", "transformers_version", "model_type", "dtype",
     "torch_dtype", "output_hidden_states", "output_attentions", "return_dict", "id2label",
     "label2id", "problem_type", "chunk_size_feed_forward", "use_cache", "initializer_range",
-    "pad_token_id", "bos_token_id", "attention_dropout", "resid_pdrop", "embd_pdrop",
+    "pad_token_id", "bos_token_id", "unk_token_id", "attention_dropout", "resid_pdrop", "embd_pdrop",
     "pretraining_tp",  # splits the matmuls the same way; transformers 5 no longer reads it
     "use_sliding_window", "max_window_layers",  # folded into sliding_window and layer_types
     "_sliding_window_pattern",  # folded into layer_types
