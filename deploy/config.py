@@ -93,6 +93,12 @@ class AppConfig(BaseModel):
         None, ge=1, description="CUDA: largest decode batch captured under a CUDA graph; "
         "default: max_running_requests"
     )
+    cuda_graph_plan: Literal["once", "every_step"] | None = Field(
+        None, description="CUDA graphs: once (default): flashinfer's decode is planned once per "
+        "captured batch size with its KV split off, and a replay only writes the page table; "
+        "every_step: flashinfer splits long contexts across the GPU and plans every replay "
+        "(better for a few very long requests, more host work per step)"
+    )
     kv_pool: Literal["auto", "double-sparse"] = Field(
         "auto", description="KV pool; auto: the model's (K and V per head, or one latent per "
         "token for latent attention); double-sparse: an approximation for long contexts, decode "
@@ -249,6 +255,8 @@ class AppConfig(BaseModel):
             raise ValueError("attention_backend flashinfer needs device cuda")
         if self.device == "cpu" and self.cuda_graph_max_bs is not None:
             raise ValueError("cuda_graph_max_bs needs device cuda")
+        if self.device == "cpu" and self.cuda_graph_plan is not None:
+            raise ValueError("cuda_graph_plan needs device cuda")
         if self.router != "ray_prefix" and self.ray_imbalanced_threshold != float("inf"):
             raise ValueError(f"ray_imbalanced_threshold applies to router ray_prefix, not "
                              f"{self.router}")
@@ -332,12 +340,15 @@ def use_cuda_graph(config: AppConfig, device: str) -> bool:
     flashinfer backend's static page tables, so a CUDA graph setting with any other backend is
     refused rather than ignored."""
     on_flashinfer = device.startswith("cuda") and attention_backend(config, device) == "flashinfer"
-    if not on_flashinfer and config.cuda_graph_max_bs is not None:
-        raise ValueError(f"cuda_graph_max_bs needs CUDA graphs, which run with the flashinfer "
-                         f"backend on CUDA (here: device {device}, attention_backend "
-                         f"{attention_backend(config, device)})")
-    if on_flashinfer and config.disable_cuda_graph and config.cuda_graph_max_bs is not None:
-        raise ValueError("cuda_graph_max_bs is set but disable_cuda_graph turns the graphs off")
+    for name in ("cuda_graph_max_bs", "cuda_graph_plan"):
+        if getattr(config, name) is None:
+            continue
+        if not on_flashinfer:
+            raise ValueError(f"{name} needs CUDA graphs, which run with the flashinfer "
+                             f"backend on CUDA (here: device {device}, attention_backend "
+                             f"{attention_backend(config, device)})")
+        if config.disable_cuda_graph:
+            raise ValueError(f"{name} is set but disable_cuda_graph turns the graphs off")
     return on_flashinfer and not config.disable_cuda_graph
 
 
@@ -368,6 +379,7 @@ def engine_config(config: AppConfig, model_path: str, device: str) -> EngineConf
         attention_backend=backend,
         cuda_graph=graphs,
         cuda_graph_max_batch=config.cuda_graph_max_bs,
+        cuda_graph_plan=config.cuda_graph_plan or "once",
         mem_fraction_static=config.mem_fraction_static,
         max_total_tokens=config.max_total_tokens,
         cpu_memory_budget_bytes=int(config.cpu_memory_budget_gib * (1 << 30)),

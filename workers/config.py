@@ -198,6 +198,9 @@ class WorkerConfig:
     cpu_memory_budget_bytes: int = 2 << 30  # stands in for free device memory on CPU
     cuda_graph: bool = False  # capture decode under CUDA graphs (CUDA only)
     cuda_graph_max_batch: int | None = None  # largest captured batch; None: max_running_requests
+    # "once": each graph's flashinfer decode planned once, KV split off; "every_step": planned
+    # before each replay, flashinfer's split on (attention/flashinfer_backend.py says when)
+    cuda_graph_plan: str = "once"
     warm_up: bool = True  # run every kernel the first requests need once, before serving
     cpu_packed_linear: bool = True  # CPU: linear layers through oneDNN-packed weights
     cpu_keep_freed_memory: bool = True  # CPU: glibc keeps freed activations (host_memory.py)
@@ -237,6 +240,9 @@ class WorkerConfig:
             raise ValueError("set hicache_ratio or hicache_size, not both")
         if self.cuda_graph_max_batch is not None and self.cuda_graph_max_batch < 1:
             raise ValueError(f"cuda_graph_max_batch must be >= 1, got {self.cuda_graph_max_batch}")
+        if self.cuda_graph_plan not in ("once", "every_step"):
+            raise ValueError(f"cuda_graph_plan must be 'once' or 'every_step', got "
+                             f"{self.cuda_graph_plan!r}")
 
     @property
     def host_tier(self) -> bool:

@@ -2,8 +2,9 @@
 
 Static buffers hold the graph's inputs (token ids, positions, slots) and its output (logits). A
 decode batch of n requests replays the smallest captured size >= n; the padding entries read
-and write the padding page (slot 0). Needs the flashinfer backend, whose graph wrappers keep their
-page tables in static buffers too.
+and write the padding page (slot 0). Needs the flashinfer backend, whose graph wrappers read their
+page tables from static buffers too, updated before each replay from what changed since the last
+(and planned once, or before each replay: flashinfer_backend.py, `graph_plan`).
 """
 
 from __future__ import annotations
@@ -91,6 +92,7 @@ class CudaGraphRunner:
             self.input_ids[n:bs].zero_()
             self.positions[n:bs].zero_()
             self.out_cache_loc[n:bs].zero_()
-        self.backend.plan_graph(bs, batch.row_idx, batch.seq_lens, self.out_cache_loc[:bs])
+        self.backend.plan_graph(bs, batch.row_idx, batch.seq_lens, self.out_cache_loc[:bs],
+                                batch.row_versions)
         self.graphs[bs].replay()
         return self.logits[bs][:n]

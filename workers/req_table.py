@@ -3,6 +3,11 @@
 `table[row, pos]` is the slot holding position `pos` of the request in `row`. Entries past a
 request's length are stale or 0 (the padding slot) and are never read: attention reads positions
 [0, seq_len) only.
+
+`versions[row]` counts the times a row was freed or written by a table write (a new request's
+prefix, the prefix cache swapping slots): between two changes of its version, a row only gains
+entries past its request's length, so whatever was read from its first entries still holds
+(the attention backends' page tables rely on it).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ class RequestTable:
                                  device=device)
         self.num_slots = num_slots
         self.device = device
+        self.versions = np.zeros(max_running_requests, np.int64)  # host only
 
     def check(self, plan: StepPlan) -> None:
         """Raise ValueError if the plan points outside the table or the pool (host-side only)."""
@@ -52,8 +58,11 @@ class RequestTable:
         """Freed rows -> padding slot; table writes; then each new token's slot at its position.
         One indexed assignment per write, one for the whole batch."""
         if plan.freed_rows:
-            self.table[self._dev(np.asarray(plan.freed_rows, dtype=np.int64))] = 0
+            freed = np.asarray(plan.freed_rows, dtype=np.int64)
+            self.table[self._dev(freed)] = 0
+            np.add.at(self.versions, freed, 1)
         for w in plan.table_writes:
+            self.versions[w.row_idx] += 1
             self.table[w.row_idx, w.start: w.start + len(w.slot_ids)] = self._dev(
                 np.asarray(w.slot_ids, dtype=np.int32))
         if plan.batch_size == 0:

@@ -125,7 +125,7 @@ class ModelRunner:
         else:
             self.backend = make_backend(
                 config.attention_backend, self.kv_pool, self.req_to_token, heads.num_q_heads,
-                mc.head_dim, self.model.layer_attention(), mc.mla)
+                mc.head_dim, self.model.layer_attention(), mc.mla, config.cuda_graph_plan)
         if isinstance(self.kv_pool, KVPool):
             self.kv_pool.ops = self.fused_ops
         self.host_pool = self._make_host_pool() if config.host_tier else None
@@ -332,7 +332,8 @@ class ModelRunner:
             row_idx=plan.row_idx.astype(np.int64), prefix_lens=prefix, extend_lens=extend,
             input_ids=self._to_device(np.asarray(plan.input_ids, dtype=np.int64)),
             positions=self._to_device(positions),
-            out_cache_loc=self._to_device(plan.out_cache_loc.astype(np.int64)))
+            out_cache_loc=self._to_device(plan.out_cache_loc.astype(np.int64)),
+            row_versions=self.table.versions[plan.row_idx])
 
     def _to_device(self, arr: np.ndarray) -> torch.Tensor:
         return to_device(arr, self.device)

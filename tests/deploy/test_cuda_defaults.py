@@ -27,6 +27,7 @@ def parse(*argv: str) -> AppConfig:
 def test_cuda_defaults_are_the_fast_path(model_folder: str) -> None:
     w = worker(AppConfig(), model_folder, "cuda")
     assert w.attention_backend == "flashinfer" and w.cuda_graph
+    assert w.cuda_graph_plan == "once"  # a replay writes the page table, no flashinfer plan
     # graphs cover every decode batch the request table allows: no eager fallback past 32
     assert w.graph_max_batch == w.max_running_requests == 64
     assert w.max_prefill_tokens == 8192
@@ -42,6 +43,8 @@ def test_cpu_defaults(model_folder: str) -> None:
 def test_flags_yaml_and_serve_run_turn_graphs_down(model_folder: str, tmp_path: Path) -> None:
     assert not worker(parse("--disable-cuda-graph"), model_folder, "cuda").cuda_graph
     assert worker(parse("--cuda-graph-max-bs", "16"), model_folder, "cuda").graph_max_batch == 16
+    assert worker(parse("--cuda-graph-plan", "every_step"), model_folder,
+                  "cuda").cuda_graph_plan == "every_step"
     yaml = tmp_path / "serve.yaml"
     yaml.write_text("disable_cuda_graph: true\nattention_backend: flashinfer\n")
     from_yaml = parse("--config", str(yaml))
@@ -61,6 +64,8 @@ def test_torch_backend_on_cuda_is_explicit(model_folder: str) -> None:
     (("--attention-backend", "torch", "--cuda-graph-max-bs", "8"), "cuda", "cuda_graph_max_bs"),
     (("--disable-cuda-graph", "--cuda-graph-max-bs", "8"), "cuda", "disable_cuda_graph"),
     (("--cuda-graph-max-bs", "8"), "cpu", "cuda_graph_max_bs"),
+    (("--attention-backend", "torch", "--cuda-graph-plan", "once"), "cuda", "cuda_graph_plan"),
+    (("--disable-cuda-graph", "--cuda-graph-plan", "every_step"), "cuda", "disable_cuda_graph"),
 ])
 def test_settings_that_cannot_be_honoured_are_refused(model_folder: str, argv: tuple[str, ...],
                                                       device: str, problem: str) -> None:
@@ -75,6 +80,12 @@ def test_bad_values_are_named() -> None:
         parse("--device", "cpu", "--cuda-graph-max-bs", "8")
     with pytest.raises(ValidationError, match="attention_backend"):
         AppConfig.model_validate({"attention_backend": "xformers"})
+    with pytest.raises(ConfigError, match="cuda_graph_plan"):
+        parse("--cuda-graph-plan", "sometimes")
+    with pytest.raises(ConfigError, match="cuda_graph_plan"):
+        parse("--device", "cpu", "--cuda-graph-plan", "once")
+    with pytest.raises(ValueError, match="cuda_graph_plan"):
+        WorkerConfig("m", cuda_graph_plan="never")
 
 
 def test_missing_flashinfer_on_a_cuda_host_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:

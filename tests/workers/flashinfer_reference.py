@@ -19,7 +19,14 @@ The format, as flashinfer 0.7 documents it for `BatchDecodeWithPagedKVCacheWrapp
   (inclusive) window size"); -1 is no window;
 - `logits_soft_cap` c > 0: scores become c * tanh(scores / c) before the softmax;
 - with `use_cuda_graph`, the batch size is fixed by the buffers given to the constructor, `plan`
-  copies the page tables into them, and `run` (the replayed graph) reads only those buffers.
+  copies the page tables into them, and `run` (the replayed graph) reads only those buffers,
+  as they are when it runs;
+- a decode plan's work partition (which CTA reads which KV chunk of which request) follows the
+  requests' page counts, except on the tensor-core kernel with `disable_split_kv=True`, where it
+  is one chunk per request whatever its length (flashinfer's scheduler.cuh). A graph replayed
+  over other page counts than its last plan's would read a stale partition: here that raises.
+  The CUDA-core kernel (`use_tensor_cores=False`) takes neither split control (flashinfer
+  raises for `fixed_split_size` there and ignores `disable_split_kv`).
 """
 
 from __future__ import annotations
@@ -100,6 +107,9 @@ class BatchDecodeWithPagedKVCacheWrapper:
         if kv_layout != "NHD":
             raise ValueError("only the NHD layout is modelled")
         self.use_cuda_graph = use_cuda_graph
+        self.use_tensor_cores = use_tensor_cores
+        self.partition: list[int] | None = None  # the page counts the last plan split over
+        self.attend: dict[str, object] = {}
         if use_cuda_graph:
             if (paged_kv_indptr_buffer is None or paged_kv_indices_buffer is None
                     or paged_kv_last_page_len_buffer is None):
@@ -113,14 +123,21 @@ class BatchDecodeWithPagedKVCacheWrapper:
              num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
              pos_encoding_mode: str = "NONE", window_left: int = -1,
              logits_soft_cap: float | None = None, q_data_type: torch.dtype | None = None,
-             kv_data_type: torch.dtype | None = None, sm_scale: float | None = None) -> None:
+             kv_data_type: torch.dtype | None = None, sm_scale: float | None = None,
+             fixed_split_size: int | None = None, disable_split_kv: bool = False) -> None:
+        if fixed_split_size is not None and not self.use_tensor_cores:
+            raise ValueError("fixed_split_size is only supported by tensor core decode for now.")
         attend = dict(window_left=window_left, logits_soft_cap=logits_soft_cap,
                       sm_scale=sm_scale)
         tables = _Tables(indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim,
                          page_size, **attend)  # type: ignore[arg-type]
         self.plans += 1
+        pinned = self.use_tensor_cores and disable_split_kv
+        self.partition = None if pinned else torch.diff(tables.indptr).tolist()
+        self.attend = dict(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
+                           head_dim=head_dim, page_size=page_size, **attend)
+        self.tables = tables
         if not self.use_cuda_graph:
-            self.tables = tables
             return
         indptr_buf, indices_buf, last_buf = self.buffers
         if len(indptr) != len(indptr_buf):
@@ -132,15 +149,17 @@ class BatchDecodeWithPagedKVCacheWrapper:
         indptr_buf.copy_(indptr)
         indices_buf[: int(indptr[-1])].copy_(indices[: int(indptr[-1])])
         last_buf.copy_(last_page_len)
-        # the replayed graph reads the static buffers, never the tensors given here
-        self.tables = _Tables(indptr_buf, indices_buf, last_buf, num_qo_heads, num_kv_heads,
-                              head_dim, page_size, **attend)  # type: ignore[arg-type]
 
     def run(self, q: torch.Tensor, paged_kv_cache: tuple[torch.Tensor, torch.Tensor]
             ) -> torch.Tensor:
         tables = self.tables
         if tables is None:
             raise RuntimeError("run before plan")
+        if self.use_cuda_graph:  # the replayed graph reads the static buffers as they are now
+            tables = _Tables(*self.buffers, **self.attend)  # type: ignore[arg-type]
+            if self.partition is not None and torch.diff(tables.indptr).tolist() != self.partition:
+                raise RuntimeError(f"replayed over page counts {torch.diff(tables.indptr).tolist()}"
+                                   f" but planned (split-KV partition) for {self.partition}")
         if q.shape[0] != len(tables.indptr) - 1:
             raise ValueError(f"{q.shape[0]} queries for a plan of {len(tables.indptr) - 1}")
         out = [tables.attend(q[i: i + 1], *tables.kv(i, paged_kv_cache), causal=False)

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from raydix.workers.attention.flashinfer_backend import FlashInferAttentionBackend
+from raydix.workers.attention.page_table import PageTableView
 from raydix.workers.config import WorkerConfig
 from raydix.workers.cuda_graph import CudaGraphRunner
 from raydix.workers.runner import ModelRunner
@@ -41,12 +42,14 @@ def _runner(model: TinyModel, page_size: int) -> ModelRunner:
                                     max_total_tokens=2048))
 
 
-def _with_flashinfer(runner: ModelRunner) -> FlashInferAttentionBackend:
+def _with_flashinfer(runner: ModelRunner, graph_plan: str = "once",
+                     kind: type[FlashInferAttentionBackend] = FlashInferAttentionBackend
+                     ) -> FlashInferAttentionBackend:
     torch_backend = runner.backend
-    backend = FlashInferAttentionBackend(runner.kv_pool, runner.req_to_token,
-                                         torch_backend.num_q_heads,  # type: ignore[attr-defined]
-                                         torch_backend.head_dim,  # type: ignore[attr-defined]
-                                         runner.model.layer_attention())
+    backend = kind(runner.kv_pool, runner.req_to_token,
+                   torch_backend.num_q_heads,  # type: ignore[attr-defined]
+                   torch_backend.head_dim,  # type: ignore[attr-defined]
+                   runner.model.layer_attention(), graph_plan)
     runner.backend = backend
     return backend
 
@@ -54,10 +57,13 @@ def _with_flashinfer(runner: ModelRunner) -> FlashInferAttentionBackend:
 class _EagerReplay:
     """Stands in for one captured graph: replay reruns the captured call into its output."""
 
+    replays = 0
+
     def __init__(self, runner: CudaGraphRunner, bs: int) -> None:
         self.runner, self.bs = runner, bs
 
     def replay(self) -> None:
+        _EagerReplay.replays += 1
         self.runner.logits[self.bs].copy_(self.runner._run(self.bs))
 
 
@@ -104,25 +110,61 @@ def test_logits_of_extend_and_decode_match_the_torch_backend(
         torch.testing.assert_close(runner.forward(plan), ref.forward(plan), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("graph_plan", ["once", "every_step"])
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_graph_replay_pads_plans_and_matches_the_torch_backend(
-        tiny_models: dict[str, TinyModel], reference_flashinfer: None, page_size: int) -> None:
-    model = tiny_models["llama"]
+        tiny_models: dict[str, TinyModel], reference_flashinfer: None, page_size: int,
+        graph_plan: str) -> None:
+    model = tiny_models["llama"]  # GQA 4:2: the CUDA-core kernel, unless the plan is pinned
     prompts = model.prompts  # three requests: decode replays the graph of batch 4, padded
     expected = {m: run_greedy(_runner(model, page_size).step, scenario(m, prompts, 10, page_size),
                               page_size) for m in ("whole", "chunked", "prefix")}
     for mode, tokens in expected.items():
         runner = _runner(model, page_size)
-        backend = _with_flashinfer(runner)
+        backend = _with_flashinfer(runner, graph_plan)
         graphs = _EagerGraphRunner(runner.model, backend, 8, MAX_CONTEXT, runner.device)
         runner.graph_runner = graphs
         assert graphs.batch_sizes == [1, 2, 4, 8]
+        replays = _EagerReplay.replays
+        assert backend.graph_table is not None
+        rebuilds = backend.graph_table.num_rebuilds
         got = run_greedy(runner.step, scenario(mode, prompts, 10, page_size), page_size)
         assert got == tokens, mode
+        replays = _EagerReplay.replays - replays
+        assert replays > 0
         # decodes went through the graph wrappers, never the eager decode wrapper
         assert backend.decode_wrapper.plans == 0  # type: ignore[attr-defined]
-        replays = sum(w.plans - 1 for w in backend._graph_wrappers.values())  # type: ignore[attr-defined]
-        assert replays > 0
+        wrappers = list(backend._graph_wrappers.values())
+        if graph_plan == "once":  # planned at start, split off, on the tensor-core kernel
+            assert all(w.plans == 1 and w.partition is None  # type: ignore[attr-defined]
+                       and w.use_tensor_cores for w in wrappers)  # type: ignore[attr-defined]
+        else:  # split on (the CUDA-core kernel for this group), planned before every replay
+            assert sum(w.plans - 1 for w in wrappers) == replays  # type: ignore[attr-defined]
+            assert not any(w.use_tensor_cores for w in wrappers)  # type: ignore[attr-defined]
+        # the graph page table was updated in place between most replays, not rebuilt
+        rebuilds = backend.graph_table.num_rebuilds - rebuilds
+        assert rebuilds < replays / 2
+
+
+class _SplitNotPinned(FlashInferAttentionBackend):
+    """Plans each graph once but leaves flashinfer's KV split on."""
+
+    def _plan_graph_wrapper(self, bs: int, kind: int, view: PageTableView) -> None:
+        self.graph_plan = "every_step"  # plan without disable_split_kv
+        super()._plan_graph_wrapper(bs, kind, view)
+        self.graph_plan = "once"
+
+
+def test_a_graph_planned_once_with_the_split_on_is_caught(
+        tiny_models: dict[str, TinyModel], reference_flashinfer: None) -> None:
+    """The stand-in flashinfer refuses a replay over page counts its plan's split-KV partition
+    was not made for, so planning once is only right with the split off."""
+    model, page_size = tiny_models["llama"], 4
+    runner = _runner(model, page_size)
+    backend = _with_flashinfer(runner, "once", _SplitNotPinned)
+    runner.graph_runner = _EagerGraphRunner(runner.model, backend, 8, MAX_CONTEXT, runner.device)
+    with pytest.raises(RuntimeError, match="split-KV partition"):
+        run_greedy(runner.step, scenario("whole", model.prompts, 10, page_size), page_size)
 
 
 @pytest.mark.parametrize("page_size", [1, 16])

@@ -16,9 +16,10 @@ from .torch_backend import TorchAttentionBackend
 
 def make_backend(name: str, pool: KVPool | MLAKVPool, req_to_token: torch.Tensor,
                  num_q_heads: int, head_dim: int, layers: Sequence[LayerAttention] | None = None,
-                 mla: MLAConfig | None = None) -> AttentionBackend:
+                 mla: MLAConfig | None = None, graph_plan: str = "once") -> AttentionBackend:
     """The backend called `name` ("torch" or "flashinfer"); flashinfer is imported only here.
-    Latent attention (`mla`, over an `MLAKVPool`) has the torch backend only."""
+    Latent attention (`mla`, over an `MLAKVPool`) has the torch backend only. `graph_plan`:
+    how flashinfer's CUDA-graph decode is planned (flashinfer_backend.py)."""
     if mla is not None or isinstance(pool, MLAKVPool):
         if mla is None or not isinstance(pool, MLAKVPool):
             raise TypeError("latent attention needs both its config and the latent pool")
@@ -35,7 +36,8 @@ def make_backend(name: str, pool: KVPool | MLAKVPool, req_to_token: torch.Tensor
         require_flashinfer()
         from .flashinfer_backend import FlashInferAttentionBackend
 
-        return FlashInferAttentionBackend(pool, req_to_token, num_q_heads, head_dim, layers)
+        return FlashInferAttentionBackend(pool, req_to_token, num_q_heads, head_dim, layers,
+                                          graph_plan)
     raise ValueError(f"unknown attention backend {name!r}; choose 'torch' or 'flashinfer'")
 
 

@@ -41,6 +41,9 @@ class ForwardBatch:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
     out_cache_loc: torch.Tensor  # [T] int64, the slot each new token's K/V goes to
+    # [B] each row's version in the request table (req_table.py): a backend may keep what it
+    # read from rows whose version did not change; None: nothing is kept between steps
+    row_versions: np.ndarray | None = None
 
     @property
     def batch_size(self) -> int:

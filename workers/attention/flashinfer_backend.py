@@ -8,8 +8,28 @@ are read from its request->token row at positions 0, page_size, 2 * page_size, .
 
 Decode-only batches use the decode wrapper; batches with any extend use the prefill wrapper
 (FlashInfer's causal mask is aligned to the end of the KV, so cached prefixes just work).
-`plan_graph` / `graph_wrapper` serve the CUDA-graph runner: one decode wrapper per captured batch
-size, with static index buffers that `plan` refills before each replay.
+The page tables are kept between steps and updated from what changed (page_table.py).
+
+CUDA graphs (`init_graph_state` / `plan_graph`): one graph-safe decode wrapper per captured batch
+size and kind, all reading one set of static page-table buffers that the graph page table keeps
+up to date. What each replay plans depends on `graph_plan`:
+
+- "once" (the default): every graph wrapper is planned once, at start, with flashinfer's KV split
+  off (`disable_split_kv`, on the tensor-core decode kernel: the only one with the control).
+  A plan's output is the work partition the kernels read from the wrapper's int workspace;
+  without a split it is one work item per (request, KV head), whatever the requests' lengths:
+  flashinfer's scheduler (`PrefillSplitQOKVIndptr`, include/flashinfer/attention/scheduler.cuh)
+  then makes one KV chunk per request, so `request_indices` = 0..B-1, every q and kv tile index
+  0, `o_indptr` = 0..B, no merge, and `padded_batch_size` and the valid-block mask from the
+  batch size and head counts alone. The kernels read each request's length from the indptr /
+  last-page buffers at run time. So a replay only needs those buffers written: no `plan`, no
+  host copies of indptr, no workspace upload. The cost: one CTA works through a request's whole
+  KV per KV head, so a batch of few long requests leaves most SMs idle (batch 1, 4 KV heads
+  per rank: 4 CTAs); flashinfer's split would spread a 32k context over the GPU.
+- "every_step": the graph wrappers keep flashinfer's own split (and its CUDA-core kernel for
+  small GQA groups), and each replay plans again, since the split's partition follows the
+  requests' page counts (`DecodeSplitKVIndptr` / `PrefillBinarySearchKVChunkSize`), as in
+  SGLang's and vLLM's graph decode; the page table is still kept, not rebuilt.
 
 Layers that attend differently (a sliding window, a soft cap, another softmax scale: each
 distinct `LayerAttention` is a "kind") get wrappers of their own, planned with the same page
@@ -25,15 +45,20 @@ import numpy as np
 import torch
 
 from ..kv_pool import KVPool
-from ..req_table import to_device
 from .base import AttentionBackend, ForwardBatch, LayerAttention
+from .page_table import PageTable, PageTableView
 
 WORKSPACE_BYTES = 256 << 20
+GRAPH_PLANS = ("once", "every_step")
+EAGER_PAGES = 1 << 14  # the eager page table's first size (int32 entries)
 
 
 class FlashInferAttentionBackend(AttentionBackend):
     def __init__(self, pool: KVPool, req_to_token: torch.Tensor, num_q_heads: int,
-                 head_dim: int, layers: Sequence[LayerAttention] | None = None) -> None:
+                 head_dim: int, layers: Sequence[LayerAttention] | None = None,
+                 graph_plan: str = "once") -> None:
+        if graph_plan not in GRAPH_PLANS:
+            raise ValueError(f"graph_plan must be one of {GRAPH_PLANS}, got {graph_plan!r}")
         import flashinfer
 
         self._flashinfer = flashinfer
@@ -55,8 +80,14 @@ class FlashInferAttentionBackend(AttentionBackend):
         self.decode_wrappers = [flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_tensor_cores=self._use_tensor_cores) for _ in self.kinds]
         self.prefill_wrapper, self.decode_wrapper = self.prefill_wrappers[0], self.decode_wrappers[0]
+        self.graph_plan = graph_plan
         self._graph_wrappers: dict[tuple[int, int], object] = {}  # (batch size, kind)
-        self._graph_indices: torch.Tensor | None = None
+        self.graph_table: PageTable | None = None
+        max_rows, max_len = req_to_token.shape
+        # eager steps' table: its indices grow to the largest batch's pages
+        self.table = PageTable(req_to_token, self.page_size, max_rows,
+                               min(EAGER_PAGES, max_rows * -(-max_len // self.page_size)),
+                               growable=True)
         self._wrappers: list[object] = []  # this step's wrapper of each kind
         self._out_cache_loc: torch.Tensor | None = None
 
@@ -66,36 +97,12 @@ class FlashInferAttentionBackend(AttentionBackend):
                     logits_soft_cap=a.logit_softcap or None,
                     sm_scale=a.softmax_scale(self.head_dim))
 
-    # ---- page tables ------------------------------------------------------------------------
-
-    def _page_table(self, row_idx: np.ndarray, seq_lens: np.ndarray,
-                    num_padding: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(kv_indptr [host], kv_indices [device], kv_last_page_len [host]) for the requests,
-        plus `num_padding` padding requests of one token each on page 0."""
-        ps = self.page_size
-        num_pages = (seq_lens + ps - 1) // ps
-        starts = np.cumsum(num_pages) - num_pages
-        owner = np.repeat(np.arange(len(row_idx)), num_pages)
-        cols = (np.arange(int(num_pages.sum())) - np.repeat(starts, num_pages)) * ps
-        rows_t = to_device(row_idx[owner], self.device)  # pinned staging, no host sync
-        cols_t = to_device(cols, self.device)
-        indices = torch.div(self.req_to_token[rows_t, cols_t], ps, rounding_mode="floor").int()
-        last = seq_lens - (num_pages - 1) * ps
-        if num_padding:
-            indices = torch.cat([indices, torch.zeros(num_padding, dtype=torch.int32,
-                                                      device=self.device)])
-            num_pages = np.concatenate([num_pages, np.ones(num_padding, np.int64)])
-            last = np.concatenate([last, np.ones(num_padding, np.int64)])
-        indptr = np.concatenate([[0], np.cumsum(num_pages)]).astype(np.int32)
-        # indptr and last-page lengths stay on the host: `plan` reads them there, and a device
-        # copy would cost a device->host sync inside `plan`
-        return torch.from_numpy(indptr), indices, torch.from_numpy(last.astype(np.int32))
-
     # ---- eager steps ------------------------------------------------------------------------
 
     def prepare(self, batch: ForwardBatch) -> None:
         self._out_cache_loc = batch.out_cache_loc.to(torch.int32)  # once a step, not a layer
-        indptr, indices, last = self._page_table(batch.row_idx, batch.seq_lens)
+        indptr, indices, last = self.table.update(batch.row_idx, batch.seq_lens, 0,
+                                                  batch.row_versions)
         dtype = self.pool.config.dtype
         if batch.is_decode:
             for kind, wrapper in enumerate(self.decode_wrappers):
@@ -129,33 +136,46 @@ class FlashInferAttentionBackend(AttentionBackend):
     # ---- CUDA graphs ------------------------------------------------------------------------
 
     def init_graph_state(self, batch_sizes: list[int], max_context_len: int) -> None:
-        """Make one graph-safe decode wrapper per batch size, over shared static buffers."""
+        """Make the graph page table and one graph-safe decode wrapper per batch size and kind,
+        over its buffers; with `graph_plan="once"` plan each of them now."""
         max_bs = max(batch_sizes)
-        max_pages = max_bs * (-(-max_context_len // self.page_size))
-        self._graph_indices = torch.zeros(max_pages, dtype=torch.int32, device=self.device)
+        table = PageTable(self.req_to_token, self.page_size, max_bs,
+                          max_bs * -(-max_context_len // self.page_size))
+        self.graph_table = table
+        once = self.graph_plan == "once"
         for bs in batch_sizes:
             for kind in range(len(self.kinds)):
-                self._graph_wrappers[bs, kind] = self._graph_wrapper(bs)
+                self._graph_wrappers[bs, kind] = self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                    self.workspace, "NHD", use_cuda_graph=True,
+                    use_tensor_cores=once or self._use_tensor_cores,
+                    paged_kv_indptr_buffer=table.indptr[: bs + 1],
+                    paged_kv_indices_buffer=table.indices,
+                    paged_kv_last_page_len_buffer=table.last[:bs])
+            if once:  # on a table of padding only: the plan does not depend on it
+                view = table.update(np.zeros(0, np.int64), np.zeros(0, np.int64), bs)
+                for kind in range(len(self.kinds)):
+                    self._plan_graph_wrapper(bs, kind, view)
+        table.invalidate()  # the plans copied their tables into the buffers
 
-    def _graph_wrapper(self, bs: int) -> object:
-        return self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self._use_tensor_cores,
-            paged_kv_indptr_buffer=torch.zeros(bs + 1, dtype=torch.int32, device=self.device),
-            paged_kv_indices_buffer=self._graph_indices,
-            paged_kv_last_page_len_buffer=torch.ones(bs, dtype=torch.int32, device=self.device))
+    def _plan_graph_wrapper(self, bs: int, kind: int, view: PageTableView) -> None:
+        dtype = self.pool.config.dtype
+        split = dict(disable_split_kv=True) if self.graph_plan == "once" else {}
+        self._graph_wrappers[bs, kind].plan(  # type: ignore[attr-defined]
+            view.indptr, view.indices, view.last, self.num_q_heads, self.num_kv_heads,
+            self.head_dim, self.page_size, q_data_type=dtype, kv_data_type=dtype,
+            **self._kind_args(kind), **split)
 
     def plan_graph(self, graph_bs: int, row_idx: np.ndarray, seq_lens: np.ndarray,
-                   out_cache_loc: torch.Tensor) -> None:
-        """Plan a decode of len(row_idx) requests padded to `graph_bs` on the graph wrapper.
-        `out_cache_loc` is the graph's static slot buffer (int32: the paged append's index
-        type)."""
-        indptr, indices, last = self._page_table(row_idx, seq_lens, graph_bs - len(row_idx))
-        dtype = self.pool.config.dtype
-        self._wrappers = []
-        for kind in range(len(self.kinds)):
-            wrapper = self._graph_wrappers[graph_bs, kind]
-            wrapper.plan(indptr, indices, last, self.num_q_heads,  # type: ignore[attr-defined]
-                         self.num_kv_heads, self.head_dim, self.page_size, q_data_type=dtype,
-                         kv_data_type=dtype, **self._kind_args(kind))
-            self._wrappers.append(wrapper)
+                   out_cache_loc: torch.Tensor, row_versions: np.ndarray | None = None) -> None:
+        """Make the graph of `graph_bs` ready for a decode of len(row_idx) requests padded to
+        its size: the page table updated in its buffers, and (graph_plan="every_step") the
+        wrappers planned. `out_cache_loc` is the graph's static slot buffer (int32: the paged
+        append's index type)."""
+        if self.graph_table is None:
+            raise RuntimeError("init_graph_state must run before plan_graph")
+        view = self.graph_table.update(row_idx, seq_lens, graph_bs - len(row_idx), row_versions)
+        if self.graph_plan == "every_step":
+            for kind in range(len(self.kinds)):
+                self._plan_graph_wrapper(graph_bs, kind, view)
+        self._wrappers = [self._graph_wrappers[graph_bs, kind] for kind in range(len(self.kinds))]
         self._out_cache_loc = out_cache_loc
