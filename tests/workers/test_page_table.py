@@ -140,8 +140,18 @@ def test_kept_table_equals_a_fresh_build(page_size: int, seed: int) -> None:
 
 
 class _ForgetsNewPages(PageTable):
-    def _write_pages(self, rows: np.ndarray, page_no: np.ndarray, dest: np.ndarray) -> None:
-        pass
+    """Moves the tail on an update but never writes the new pages there."""
+
+    updating = False
+
+    def _update(self, num_pages: np.ndarray, last: np.ndarray) -> None:
+        self.updating = True
+        super()._update(num_pages, last)
+        self.updating = False
+
+    def _write_pages(self, rows: torch.Tensor, cols: torch.Tensor, dest: torch.Tensor) -> None:
+        if not self.updating:
+            super()._write_pages(rows, cols, dest)
 
 
 class _IgnoresRowVersions(PageTable):
@@ -169,3 +179,20 @@ def test_overflow_is_refused_unless_growable() -> None:
     grown = PageTable(req_to_token, 4, 2, 8, growable=True)
     view = grown.update(rows, lens)
     assert torch.equal(view.indices, page_table_from_scratch(req_to_token, rows, lens, 4).indices)
+
+
+def test_request_table_versions_the_rows_it_rewrites() -> None:
+    """Frees and table writes bump a row's version; a step's new-token slots (written past the
+    request's length) do not, so the page tables keep what they read from that row."""
+    from raydix.workers.req_table import RequestTable
+    from raydix.workers.step import GREEDY, ScheduledRequest, StepPlan, TableWrite
+
+    table = RequestTable(4, 16, 64, torch.device("cpu"))
+    decode = StepPlan.build(0, [ScheduledRequest(1, 3, [7], [9], GREEDY),
+                                ScheduledRequest(2, 5, [8], [21], GREEDY)])
+    table.apply(decode)
+    assert table.versions.tolist() == [0, 0, 0, 0]
+    rewrite = StepPlan.build(1, [ScheduledRequest(1, 4, [7], [10], GREEDY)],
+                             [TableWrite(2, 0, np.array([4, 5], np.int32))], [3])
+    table.apply(rewrite)
+    assert table.versions.tolist() == [0, 0, 1, 1]

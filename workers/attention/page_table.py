@@ -102,20 +102,19 @@ class PageTable:
         if batch > len(self.last):
             raise ValueError(f"a page table of {batch} requests overflows its {len(self.last)}")
         versions = None if row_versions is None else row_versions.astype(np.int64)
+        last = np.concatenate([seq_lens - (num_pages - 1) * self.page_size,
+                               np.ones(num_padding, np.int64)])
         if self._can_update(row_idx, versions, num_pages, num_padding):
-            self._update(num_pages)
+            self._update(num_pages, last)
         else:
-            self._rebuild(row_idx, num_pages, num_padding)
+            self._rebuild(row_idx.astype(np.int64), num_pages, num_padding, last)
             self._rows = None if versions is None else row_idx.astype(np.int64).copy()
             self._versions = versions.copy() if versions is not None else self._versions
             self._num_padding = num_padding
         self._num_pages = num_pages
-        last = seq_lens - (num_pages - 1) * self.page_size
-        self.last[: len(last)].copy_(to_device(last.astype(np.int32), self.device))
-        indptr_host = torch.from_numpy(self._indptr_host)
-        last_host = torch.from_numpy(np.concatenate(
-            [last, np.ones(num_padding, np.int64)]).astype(np.int32))
-        return PageTableView(indptr_host, self.indices[: int(self._indptr_host[-1])], last_host)
+        return PageTableView(torch.from_numpy(self._indptr_host),
+                             self.indices[: int(self._indptr_host[-1])],
+                             torch.from_numpy(last.astype(np.int32)))
 
     # ---- the two paths -------------------------------------------------------------------
 
@@ -127,60 +126,69 @@ class PageTable:
                 and bool(np.array_equal(versions, self._versions))
                 and bool((num_pages >= self._num_pages).all()))
 
-    def _update(self, num_pages: np.ndarray) -> None:
+    def _update(self, num_pages: np.ndarray, last: np.ndarray) -> None:
+        n = len(num_pages)
         grown = num_pages - self._num_pages
-        if not grown.any():
+        if not grown.any():  # only the last pages filled further
+            self.last[:n].copy_(to_device(last[:n].astype(np.int32), self.device))
             return
         old_indptr = self._indptr_host.astype(np.int64)
         new_indptr = old_indptr.copy()
-        new_indptr[1: len(grown) + 1] += np.cumsum(grown)
-        new_indptr[len(grown) + 1:] += int(grown.sum())
+        new_indptr[1: n + 1] += np.cumsum(grown)
+        new_indptr[n + 1:] += int(grown.sum())
         self._reserve(int(new_indptr[-1]))
         # the requests after the first that grew move right by the pages grown before them
         first = int(np.argmax(grown > 0))
         start, end = int(old_indptr[first + 1]), int(old_indptr[-1])
-        if end > start:
-            counts = np.diff(old_indptr[first + 1:])  # pages of each moved request
-            shift = (new_indptr - old_indptr)[first + 1: -1]
-            dest = torch.arange(start, end, device=self.device) + torch.repeat_interleave(
-                self._dev(shift), self._dev(counts), output_size=end - start)
-            self.indices.index_copy_(0, dest, self.indices[start:end].clone())
+        counts = np.diff(old_indptr[first + 1:])  # pages of each request that moves
+        shift = (new_indptr - old_indptr)[first + 1: -1]
         # then the new pages, read from the request->token table
         growers = np.flatnonzero(grown)
         num_new = grown[growers]
         owner = np.repeat(growers, num_new)
         page_no = self._num_pages[owner] + np.arange(len(owner)) - np.repeat(
             np.cumsum(num_new) - num_new, num_new)
-        self._write_pages(self._rows[owner], page_no, new_indptr[owner] + page_no)  # type: ignore[index]
+        rows = self._rows[owner]  # type: ignore[index]
+        shift_d, counts_d, rows_d, cols_d, dest_d, indptr_d, last_d = self._upload(
+            shift, counts, rows, page_no * self.page_size, new_indptr[owner] + page_no,
+            new_indptr, last[:n])
+        if end > start:
+            dest = torch.arange(start, end, device=self.device) + torch.repeat_interleave(
+                shift_d, counts_d, output_size=end - start)
+            self.indices.index_copy_(0, dest, self.indices[start:end].clone())
+        self._write_pages(rows_d, cols_d, dest_d)
+        self.indptr[: len(new_indptr)].copy_(indptr_d)
+        self.last[:n].copy_(last_d)
         self._indptr_host = new_indptr.astype(np.int32)
-        self.indptr[: len(new_indptr)].copy_(to_device(self._indptr_host, self.device))
 
-    def _rebuild(self, row_idx: np.ndarray, num_pages: np.ndarray, num_padding: int) -> None:
+    def _rebuild(self, row_idx: np.ndarray, num_pages: np.ndarray, num_padding: int,
+                 last: np.ndarray) -> None:
         self.num_rebuilds += 1
+        n = len(num_pages)
         all_pages = np.concatenate([num_pages, np.ones(num_padding, np.int64)])
         indptr = np.concatenate([[0], np.cumsum(all_pages)]).astype(np.int64)
-        num_real = int(indptr[len(num_pages)])
-        self._reserve(int(indptr[-1]))
+        num_real, total = int(indptr[n]), int(indptr[-1])
+        self._reserve(total)
+        pages_d, starts_d, rows_d, indptr_d, last_d = self._upload(
+            num_pages, indptr[:n], row_idx, indptr, last)
         if num_real:
-            n = len(row_idx)
-            owner = torch.repeat_interleave(torch.arange(n, device=self.device),
-                                            self._dev(num_pages), output_size=num_real)
-            starts = self._dev(indptr[:n])
-            page_no = torch.arange(num_real, device=self.device) - starts[owner]
-            rows = self._dev(row_idx.astype(np.int64))[owner]
-            self.indices[:num_real] = torch.div(
-                self.req_to_token[rows, page_no * self.page_size], self.page_size,
-                rounding_mode="floor").to(torch.int32)
-        self.indices[num_real: int(indptr[-1])] = 0
-        self.last[len(num_pages): len(all_pages)] = 1
+            owner = torch.repeat_interleave(torch.arange(n, device=self.device), pages_d,
+                                            output_size=num_real)
+            page_no = torch.arange(num_real, device=self.device) - starts_d[owner]
+            self._write_pages(rows_d[owner], page_no * self.page_size,
+                              torch.arange(num_real, device=self.device))
+        if total > num_real:
+            self.indices[num_real:total] = 0
+        self.indptr[: len(indptr)].copy_(indptr_d)
+        self.last[: len(last)].copy_(last_d)
         self._indptr_host = indptr.astype(np.int32)
-        self.indptr[: len(indptr)].copy_(to_device(self._indptr_host, self.device))
 
-    def _write_pages(self, rows: np.ndarray, page_no: np.ndarray, dest: np.ndarray) -> None:
-        pages = self.req_to_token[self._dev(rows.astype(np.int64)),
-                                  self._dev(page_no * self.page_size)]
-        self.indices[self._dev(dest)] = torch.div(pages, self.page_size,
-                                                  rounding_mode="floor").to(torch.int32)
+    def _write_pages(self, rows: torch.Tensor, cols: torch.Tensor, dest: torch.Tensor) -> None:
+        """indices[dest] = the pages of table entries (rows, cols)."""
+        slots = self.req_to_token[rows, cols]
+        if self.page_size > 1:
+            slots = torch.div(slots, self.page_size, rounding_mode="floor")
+        self.indices[dest] = slots.to(torch.int32)
 
     def _reserve(self, num_entries: int) -> None:
         if num_entries <= len(self.indices):
@@ -193,5 +201,7 @@ class PageTable:
                                    device=self.device)
         self.indices[: len(old)] = old
 
-    def _dev(self, arr: np.ndarray) -> torch.Tensor:
-        return to_device(np.ascontiguousarray(arr, dtype=np.int64), self.device)
+    def _upload(self, *arrays: np.ndarray) -> tuple[torch.Tensor, ...]:
+        """The host arrays on the device (int64), in one copy."""
+        flat = np.concatenate([np.asarray(a, dtype=np.int64) for a in arrays])
+        return torch.split(to_device(flat, self.device), [len(a) for a in arrays])
