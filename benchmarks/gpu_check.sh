@@ -3,7 +3,9 @@
 #   1. the GPU tests (pytest -m gpu): flashinfer and CUDA-graph decode against the torch backend;
 #      serve's default config builds the fast path; the KV pool leaves the headroom it promises;
 #      the warm-up compiles the kernels before the engine is ready; each fused op's flashinfer
-#      kernel against its torch code;
+#      kernel against its torch code; CUDA-graph decode planned once (flashinfer's plan with the
+#      KV split off does not depend on the lengths; replays over the kept page table against an
+#      fp32 reference; tokens against eager decode);
 #   2. the engine as `raydix serve` builds it by default (benchmarks/gpu_bench.py), beside
 #      transformers: decode-heavy (1, 16, 64 streams), shared-prefix and mixed workloads, the
 #      decode step's time split and the share of the memory-bandwidth floor at batch 1, for a
@@ -13,7 +15,10 @@
 #   5. serving through `raydix serve` against the engine in-process (benchmarks/serve_bench.py):
 #      the default model at 1, 16 and 64 streams of 256 tokens; the targets are an added TTFT
 #      <= 5 ms and an added time per token <= 1 ms at one stream, >= 95% of the engine's
-#      throughput at 64 streams, and no gap over 100 ms in any stream.
+#      throughput at 64 streams, and no gap over 100 ms in any stream;
+#   6. the host time of a decode step's page table and of a replay's planning
+#      (benchmarks/page_table_bench.py --cuda): kept against rebuilt page by page, and
+#      cuda_graph_plan once against every_step, at 1, 16 and 64 requests.
 # Results go to $OUT when it is set (else ./gpu-check): logs, JSON and markdown tables.
 #
 # It uses the Python environment it finds (`make setup` on a CUDA host installs everything). On a
@@ -32,7 +37,8 @@ fi
 print("torch", torch.__version__, "flashinfer", flashinfer.__version__, torch.cuda.get_device_name())'
 status=0
 "$PYTHON" -m pytest -m gpu tests/workers/test_gpu.py tests/workers/test_gpu_defaults.py \
-  tests/workers/test_fused_ops_gpu.py tests/workers/test_staging.py -v \
+  tests/workers/test_fused_ops_gpu.py tests/workers/test_staging.py \
+  tests/workers/test_graph_plan_gpu.py -v \
   -p no:cacheprovider 2>&1 | tee "$out/pytest-gpu.log" || status=1
 for model in "--synthetic llama-1b" ""; do
   name=${model:+llama-1b}; name=${name:-default}
@@ -47,4 +53,6 @@ done
 RAY_AUTH_MODE=disabled "$PYTHON" benchmarks/serve_bench.py --streams 1 16 64 --output-len 256 \
   --repeats 2 --json "$out/serve-bench-default.json" 2>&1 | tee "$out/serve-bench-default.log" \
   || status=1
+"$PYTHON" benchmarks/page_table_bench.py --cuda --json "$out/page-table-bench.json" 2>&1 \
+  | tee "$out/page-table-bench.log" || status=1
 exit $status

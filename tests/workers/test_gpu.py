@@ -17,10 +17,12 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 
-def _worker(folder: Path, backend: str, cuda_graph: bool = False) -> TPWorker:
+def _worker(folder: Path, backend: str, cuda_graph: bool = False,
+            graph_plan: str = "once") -> TPWorker:
     return TPWorker(WorkerConfig(str(folder), device="cuda", dtype="bfloat16",
                                  attention_backend=backend, cuda_graph=cuda_graph,
-                                 cuda_graph_max_batch=8, max_running_requests=8,
+                                 cuda_graph_max_batch=8, cuda_graph_plan=graph_plan,
+                                 max_running_requests=8,
                                  max_context_len=128, max_total_tokens=4096))
 
 
@@ -42,7 +44,10 @@ def test_flashinfer_matches_torch_backend(gpu_model: Path) -> None:
 
 
 def test_cuda_graph_decode_matches_eager(gpu_model: Path) -> None:
-    eager, graphed = _worker(gpu_model, "flashinfer"), _worker(gpu_model, "flashinfer", True)
+    """The graphs replay the eager kernels (planned every replay) exactly; the graphs planned
+    once run another kernel (test_graph_plan_gpu.py)."""
+    eager = _worker(gpu_model, "flashinfer")
+    graphed = _worker(gpu_model, "flashinfer", True, "every_step")
     assert graphed.runner.graph_runner is not None
     assert graphed.runner.graph_runner.batch_sizes == [1, 2, 4, 8]
     for mode in ("whole", "chunked"):
