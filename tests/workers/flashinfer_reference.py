@@ -34,7 +34,12 @@ from __future__ import annotations
 import math
 import types
 
+import numpy as np
 import torch
+
+from raydix.workers.attention.flashinfer_backend import FlashInferAttentionBackend
+from raydix.workers.cuda_graph import CudaGraphRunner
+from raydix.workers.runner import ModelRunner
 
 
 def _int32(name: str, t: torch.Tensor) -> torch.Tensor:
@@ -217,3 +222,44 @@ def module() -> types.ModuleType:
     mod.BatchDecodeWithPagedKVCacheWrapper = BatchDecodeWithPagedKVCacheWrapper  # type: ignore[attr-defined]
     mod.BatchPrefillWithPagedKVCacheWrapper = BatchPrefillWithPagedKVCacheWrapper  # type: ignore[attr-defined]
     return mod
+
+
+# ---- the flashinfer backend on a CPU runner, with eager stand-ins for captured graphs ------
+
+def with_flashinfer(runner: ModelRunner, graph_plan: str = "once",
+                     kind: type[FlashInferAttentionBackend] = FlashInferAttentionBackend
+                     ) -> FlashInferAttentionBackend:
+    """The runner's torch backend swapped for the flashinfer backend (`kind`), over the same
+    pool and request->token table; `flashinfer` must be this module (`module()`)."""
+    torch_backend = runner.backend
+    backend = kind(runner.kv_pool, runner.req_to_token,
+                   torch_backend.num_q_heads,  # type: ignore[attr-defined]
+                   torch_backend.head_dim,  # type: ignore[attr-defined]
+                   runner.model.layer_attention(), graph_plan)
+    runner.backend = backend
+    return backend
+
+
+class EagerReplay:
+    """Stands in for one captured graph: replay reruns the captured call into its output."""
+
+    replays = 0
+
+    def __init__(self, runner: CudaGraphRunner, bs: int) -> None:
+        self.runner, self.bs = runner, bs
+
+    def replay(self) -> None:
+        EagerReplay.replays += 1
+        self.runner.logits[self.bs].copy_(self.runner._run(self.bs))
+
+
+class EagerGraphRunner(CudaGraphRunner):
+    """The CUDA-graph runner with capture swapped for eager calls; replay's padding, static
+    buffers and graph plans are the real ones."""
+
+    def _capture_all(self) -> None:
+        empty = np.zeros(0, np.int64)
+        for bs in self.batch_sizes:
+            self.backend.plan_graph(bs, empty, empty, self.out_cache_loc[:bs])
+            self.logits[bs] = self._run(bs)
+            self.graphs[bs] = EagerReplay(self, bs)  # type: ignore[assignment]

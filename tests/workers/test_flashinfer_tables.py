@@ -16,16 +16,17 @@ import numpy as np
 import pytest
 import torch
 
+from raydix.workers.attention import flashinfer_backend
 from raydix.workers.attention.flashinfer_backend import FlashInferAttentionBackend
-from raydix.workers.attention.page_table import PageTableView
+from raydix.workers.attention.page_table import PageTable, PageTableView
 from raydix.workers.config import WorkerConfig
-from raydix.workers.cuda_graph import CudaGraphRunner
 from raydix.workers.runner import ModelRunner
-from raydix.workers.step import GREEDY, ScheduledRequest, StepPlan
+from raydix.workers.step import GREEDY, ScheduledRequest, StepPlan, TableWrite
 
 from . import flashinfer_reference
 from .conftest import TinyModel
 from .driver import run_greedy, scenario
+from .flashinfer_reference import EagerGraphRunner, EagerReplay, with_flashinfer
 
 MAX_CONTEXT = 64
 
@@ -42,43 +43,6 @@ def _runner(model: TinyModel, page_size: int) -> ModelRunner:
                                     max_total_tokens=2048))
 
 
-def _with_flashinfer(runner: ModelRunner, graph_plan: str = "once",
-                     kind: type[FlashInferAttentionBackend] = FlashInferAttentionBackend
-                     ) -> FlashInferAttentionBackend:
-    torch_backend = runner.backend
-    backend = kind(runner.kv_pool, runner.req_to_token,
-                   torch_backend.num_q_heads,  # type: ignore[attr-defined]
-                   torch_backend.head_dim,  # type: ignore[attr-defined]
-                   runner.model.layer_attention(), graph_plan)
-    runner.backend = backend
-    return backend
-
-
-class _EagerReplay:
-    """Stands in for one captured graph: replay reruns the captured call into its output."""
-
-    replays = 0
-
-    def __init__(self, runner: CudaGraphRunner, bs: int) -> None:
-        self.runner, self.bs = runner, bs
-
-    def replay(self) -> None:
-        _EagerReplay.replays += 1
-        self.runner.logits[self.bs].copy_(self.runner._run(self.bs))
-
-
-class _EagerGraphRunner(CudaGraphRunner):
-    """The CUDA-graph runner with capture swapped for eager calls; replay's padding, static
-    buffers and graph plans are the real ones."""
-
-    def _capture_all(self) -> None:
-        empty = np.zeros(0, np.int64)
-        for bs in self.batch_sizes:
-            self.backend.plan_graph(bs, empty, empty, self.out_cache_loc[:bs])
-            self.logits[bs] = self._run(bs)
-            self.graphs[bs] = _EagerReplay(self, bs)  # type: ignore[assignment]
-
-
 @pytest.mark.parametrize("page_size", [1, 4])
 @pytest.mark.parametrize("mode", ["whole", "chunked", "prefix"])
 def test_page_tables_give_the_torch_backends_tokens(
@@ -88,7 +52,7 @@ def test_page_tables_give_the_torch_backends_tokens(
     expected = run_greedy(_runner(model, page_size).step,
                           scenario(mode, model.prompts, 8, page_size), page_size)
     runner = _runner(model, page_size)
-    backend = _with_flashinfer(runner)
+    backend = with_flashinfer(runner)
     got = run_greedy(runner.step, scenario(mode, model.prompts, 8, page_size), page_size)
     assert got == expected
     assert backend.decode_wrapper.plans > 0  # type: ignore[attr-defined]
@@ -99,7 +63,7 @@ def test_logits_of_extend_and_decode_match_the_torch_backend(
         tiny_models: dict[str, TinyModel], reference_flashinfer: None) -> None:
     model, page_size = tiny_models["qwen2"], 4  # one KV head: every query head reads it
     ref, runner = _runner(model, page_size), _runner(model, page_size)
-    _with_flashinfer(runner)
+    with_flashinfer(runner)
     seqs = [p + [7, 8] for p in model.prompts]
     firsts = [page_size * (1 + i * (MAX_CONTEXT // page_size)) for i in range(len(seqs))]
     extend = StepPlan.build(0, [ScheduledRequest(i, 0, s, list(range(f, f + len(s))), GREEDY)
@@ -121,16 +85,16 @@ def test_graph_replay_pads_plans_and_matches_the_torch_backend(
                               page_size) for m in ("whole", "chunked", "prefix")}
     for mode, tokens in expected.items():
         runner = _runner(model, page_size)
-        backend = _with_flashinfer(runner, graph_plan)
-        graphs = _EagerGraphRunner(runner.model, backend, 8, MAX_CONTEXT, runner.device)
+        backend = with_flashinfer(runner, graph_plan)
+        graphs = EagerGraphRunner(runner.model, backend, 8, MAX_CONTEXT, runner.device)
         runner.graph_runner = graphs
         assert graphs.batch_sizes == [1, 2, 4, 8]
-        replays = _EagerReplay.replays
+        replays = EagerReplay.replays
         assert backend.graph_table is not None
         rebuilds = backend.graph_table.num_rebuilds
         got = run_greedy(runner.step, scenario(mode, prompts, 10, page_size), page_size)
         assert got == tokens, mode
-        replays = _EagerReplay.replays - replays
+        replays = EagerReplay.replays - replays
         assert replays > 0
         # decodes went through the graph wrappers, never the eager decode wrapper
         assert backend.decode_wrapper.plans == 0  # type: ignore[attr-defined]
@@ -161,10 +125,57 @@ def test_a_graph_planned_once_with_the_split_on_is_caught(
     was not made for, so planning once is only right with the split off."""
     model, page_size = tiny_models["llama"], 4
     runner = _runner(model, page_size)
-    backend = _with_flashinfer(runner, "once", _SplitNotPinned)
-    runner.graph_runner = _EagerGraphRunner(runner.model, backend, 8, MAX_CONTEXT, runner.device)
+    backend = with_flashinfer(runner, "once", _SplitNotPinned)
+    runner.graph_runner = EagerGraphRunner(runner.model, backend, 8, MAX_CONTEXT, runner.device)
     with pytest.raises(RuntimeError, match="split-KV partition"):
         run_greedy(runner.step, scenario("whole", model.prompts, 10, page_size), page_size)
+
+
+class _IgnoresRowVersions(PageTable):
+    def _can_update(self, row_idx: np.ndarray, versions: np.ndarray | None,
+                    num_pages: np.ndarray, num_padding: int) -> bool:
+        return super()._can_update(row_idx, self._versions if versions is not None else None,
+                                   num_pages, num_padding)
+
+
+def _rewrite_plans() -> list[StepPlan]:
+    """Row 0 decodes twice after its prompt; before its second decode a table write points its
+    prompt at row 1's (freed) slots, which hold other K/V (as when the prefix cache swaps a row's
+    slots for the tree's and its own are reused)."""
+    return [StepPlan.build(0, [ScheduledRequest(0, 0, [3, 4, 5, 6, 7, 8, 9, 10],
+                                                list(range(4, 12)), GREEDY),
+                               ScheduledRequest(1, 0, [20, 21, 22, 23, 24, 25, 26, 27],
+                                                list(range(16, 24)), GREEDY)]),
+            StepPlan.build(1, [ScheduledRequest(0, 8, [11], [12], GREEDY)], freed_rows=[1]),
+            StepPlan.build(2, [ScheduledRequest(0, 9, [12], [13], GREEDY)]),
+            StepPlan.build(3, [ScheduledRequest(0, 10, [13], [14], GREEDY)],
+                           [TableWrite(0, 0, np.arange(16, 24, dtype=np.int32))])]
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_a_rewritten_row_is_read_anew(tiny_models: dict[str, TinyModel],
+                                      reference_flashinfer: None, graphs: bool,
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kept page tables follow a table write to a running row (its version changes);
+    one that ignores the versions reads the row's old pages and gives other logits."""
+    model, page_size = tiny_models["llama"], 4
+    ref = _runner(model, page_size)
+    want = [ref.forward(p) for p in _rewrite_plans()]
+
+    def logits() -> list[torch.Tensor]:
+        runner = _runner(model, page_size)
+        backend = with_flashinfer(runner)
+        if graphs:
+            runner.graph_runner = EagerGraphRunner(runner.model, backend, 8, MAX_CONTEXT,
+                                                   runner.device)
+        return [runner.forward(p).clone() for p in _rewrite_plans()]  # a graph's is static
+
+    for got, expected in zip(logits(), want, strict=True):
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    monkeypatch.setattr(flashinfer_backend, "PageTable", _IgnoresRowVersions)
+    stale = logits()
+    torch.testing.assert_close(stale[2], want[2], atol=1e-4, rtol=1e-4)  # before the write
+    assert not torch.allclose(stale[3], want[3], atol=1e-2)
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
@@ -179,11 +190,11 @@ def test_windows_and_soft_caps_give_the_torch_backends_tokens(
         expected = run_greedy(_runner(model, page_size).step,
                               scenario(mode, model.prompts, 8, page_size), page_size)
         runner = _runner(model, page_size)
-        backend = _with_flashinfer(runner)
+        backend = with_flashinfer(runner)
         assert len(backend.kinds) == (1 if name == "mistral" else 2)
         assert {a.window for a in backend.kinds} == {5} | ({0} if name != "mistral" else set())
         if mode == "prefix":  # decode through the graph wrappers of each kind
-            runner.graph_runner = _EagerGraphRunner(runner.model, backend, 8, MAX_CONTEXT,
+            runner.graph_runner = EagerGraphRunner(runner.model, backend, 8, MAX_CONTEXT,
                                                     runner.device)
         got = run_greedy(runner.step, scenario(mode, model.prompts, 8, page_size), page_size)
         assert got == expected, (name, mode)
