@@ -83,7 +83,8 @@ def bind_app(config: AppConfig, engine_factory: EngineFactory = build_engine) ->
         name=ENGINE_DEPLOYMENT,
         # above the engine's own admission bound, so the engine answers "overloaded" (503)
         max_ongoing_requests=config.max_running_requests + config.max_waiting_requests + 64,
-        ray_actor_options={"num_cpus": cpu_threads or 1},  # Serve's defaults (serve_env.py)
+        ray_actor_options={"num_cpus": cpu_threads or 1,  # its code on Serve's main loop
+                           "runtime_env": replica_runtime_env(bundles is None)},  # serve_env.py
         health_check_period_s=config.health_check_period_s,
         health_check_timeout_s=60,
         graceful_shutdown_timeout_s=config.shutdown_timeout,

@@ -7,15 +7,15 @@ engine's loop thread steps: no lock, and a read torn by a step is off by that st
 The cache's full audit (`check_integrity`, which walks every page of the pool: seconds at
 millions of slots) runs only behind `debug_cache_audit`, and only while the replica is idle.
 
-The reporter checks the stats every `period_s` and sends them to the board when they changed,
-and at least every `HEARTBEAT_S` (the board drops a replica it has not heard from).
+The reporter sends the stats to the board when someone reads the board (a /metrics scrape: the
+board answers the reporter's waiting call, `stats_board.py`), and at least every `HEARTBEAT_S`
+(the board drops a replica it has not heard from). A stream's steps send nothing.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Awaitable, Callable
 from typing import NamedTuple, Protocol
 
@@ -74,32 +74,32 @@ def read_stats(replica_id: str, engine: AsyncEngine, audit: CacheAudit, node_id:
 
 
 class Board(Protocol):
-    """The stats board's handle, as the reporter uses it (`board.report.remote(stats)`)."""
+    """The stats board's handle, as the reporter uses it (`board.report.remote(stats, scrape)`,
+    `board.next_scrape.remote(seen, timeout_s)`)."""
 
     @property
-    def report(self) -> _Remote: ...
+    def report(self) -> _Report: ...
+
+    @property
+    def next_scrape(self) -> _NextScrape: ...
 
 
-class _Remote(Protocol):
-    def remote(self, stats: ReplicaStats) -> Awaitable[object]: ...
+class _Report(Protocol):
+    def remote(self, stats: ReplicaStats, scrape: int) -> Awaitable[object]: ...
 
 
-def _what_changed(stats: ReplicaStats) -> ReplicaStats:
-    """The stats without the figure that moves with the clock alone."""
-    return stats._replace(metrics=stats.metrics._replace(generation_throughput=0.0))
+class _NextScrape(Protocol):
+    def remote(self, seen: int, timeout_s: float) -> Awaitable[int]: ...
 
 
 async def report_loop(read: Callable[[], Awaitable[ReplicaStats]], board: Board,
-                      period_s: float) -> None:
-    last: ReplicaStats | None = None
-    last_sent = 0.0
+                      retry_s: float = 0.05, heartbeat_s: float = HEARTBEAT_S) -> None:
+    """Report, then wait for the board's next scrape (or the heartbeat), and again."""
+    scrape = 0
     while True:
         try:
-            stats = await read()
-            key = _what_changed(stats)
-            if key != last or time.monotonic() - last_sent >= HEARTBEAT_S:
-                await board.report.remote(stats)
-                last, last_sent = key, time.monotonic()
+            await board.report.remote(await read(), scrape)
+            scrape = await board.next_scrape.remote(scrape, heartbeat_s)
         except Exception as e:  # the board restarts or the engine stopped: try again
-            logger.debug("replica %s: stats not reported: %r", getattr(last, "replica_id", ""), e)
-        await asyncio.sleep(period_s)
+            logger.debug("stats not reported: %r", e)
+            await asyncio.sleep(retry_s)

@@ -10,17 +10,21 @@ per output token at one stream fell from 5.9-6.7 ms to 4.3-4.9 ms (the in-proces
 3.2-4.3 ms), the ingress's from 1.7-2.0 ms to 0.7-0.9 ms, and 64 streams went from 965-1120 to
 1455-1481 tokens/s. Each setting can be overridden by exporting it before `raydix serve`.
 
-Serve's mode also runs a replica's code on its main event loop. raydix does so in the ingress
-and the stats board (the ingress's CPU per token at 16 and 64 streams: 0.3 ms with it, 0.6-0.7
-ms without, in two runs at different times). The engine replica keeps all of Serve's defaults:
-the stream's transport is chosen by its caller (the ingress's handle), its own calls are only
-the stats reports, running its code on the main loop made no measurable difference, and with it
-the TP=2 replicas of the multi-node fault test did not start their ranks within 60 s (one run,
-on a loaded machine; its constructor, which loads and starts the ranks, would hold that loop).
+Serve's mode also runs a replica's code on its main event loop, and so does raydix in the
+ingress, the stats board, and an engine replica whose rank runs inside it (tp 1 without GPU
+bundles, as on a CPU): each token's chunk then goes from the engine's loop thread to the loop
+that sends it, not through a second event loop in a thread of its own, one thread hop fewer
+per chunk under the engine's GIL. The ingress's CPU per token at 16 and 64 streams: 0.3 ms with
+it, 0.6-0.7 ms without (two runs at different times); the engine replica's at one stream of the
+tiny model: 4.0 ms with it, 5.9-7.0 ms without, and 242-252 against 144-170 tokens/s (one
+run, the variants back to back). An engine replica whose ranks are worker actors keeps Serve's
+default: its constructor starts the ranks and waits for them, which would hold that loop (with
+it, the TP=2 replicas of the multi-node fault test did not start their ranks within 60 s, in
+one run on a loaded machine).
 
-The settings reach the ingress and the stats board through their runtime environment (on any
-cluster) and, for the local Ray that `raydix serve` starts, Serve's proxy and controller (and
-the engine replicas) through the environment they inherit.
+The settings reach raydix's replicas through their runtime environment (on any cluster) and,
+for the local Ray that `raydix serve` starts, Serve's proxy and controller through the
+environment they inherit.
 """
 
 from __future__ import annotations

@@ -157,7 +157,6 @@ class EngineServer:
                  settings: ReplicaSettings = ReplicaSettings(),
                  engine_factory: EngineFactory = build_engine,
                  stats_board: DeploymentHandle[StatsBoard] | None = None,
-                 report_period_s: float = 0.05,
                  routing: RoutingPolicyConfig | None = None) -> None:
         self.replica_id = _replica_id()
         self._audit = CacheAudit(settings.debug_cache_audit)
@@ -195,8 +194,7 @@ class EngineServer:
             for r in engine.ranks())
         self._reporter: asyncio.Task[None] | None = None
         if stats_board is not None:
-            self._reporter = loop.create_task(
-                report_loop(self.stats, stats_board, report_period_s))
+            self._reporter = loop.create_task(report_loop(self.stats, stats_board))
         self._router_reporter: asyncio.Task[None] | None = None
         self._kv_capacity = 0
         if routing is not None:

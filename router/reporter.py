@@ -4,7 +4,9 @@ A replica runs one ``ReplicaReporter`` task on its event loop. Every ``period_s`
 cache events its engine buffered and reads its load, and sends both to the router actor. Calls
 from one caller reach an actor in order, so events arrive in sequence.
 
-The load goes when it changed, with every batch of events, and at least every ``heartbeat_s``
+The load goes when its request counts changed or its KV usage moved by ``KV_USAGE_STEP`` since
+the last report (a stream's every token moves it a little: reporting each costs the replica
+more than the router gains), with every batch of events, and at least every ``heartbeat_s``
 (the router counts requests routed since the last load report). The router answers each batch of events (an empty batch at
 least every ``heartbeat_s``) with
 whether it needs this replica's snapshot: after a router restart, a late registration or lost
@@ -29,6 +31,9 @@ if TYPE_CHECKING:
     from .actor import RouterActor
 
 logger = logging.getLogger(__name__)
+
+
+KV_USAGE_STEP = 0.01  # a change of the KV usage (share of the pool) worth a report of its own
 
 
 class LoadReport(NamedTuple):
@@ -78,10 +83,17 @@ class ReplicaReporter:
         load = self._read_load()
         # with events, always: a request that came and went between two reads leaves the load
         # unchanged, and the router would count it as routed-but-unreported until a heartbeat
-        if events or load != self._last_load or now - self._last_load_at >= self.heartbeat_s:
+        if events or self._moved(load) or now - self._last_load_at >= self.heartbeat_s:
             self.router.report_load.remote(self.replica_id, *load)
             self._last_load, self._last_load_at = load, now
         return answer
+
+    def _moved(self, load: LoadReport) -> bool:
+        """The load differs from the last one sent in a way the routing policy would notice."""
+        last = self._last_load
+        return (last is None or load.num_running != last.num_running
+                or load.num_waiting != last.num_waiting or load.kv_capacity != last.kv_capacity
+                or abs(load.kv_usage - last.kv_usage) >= KV_USAGE_STEP)
 
     async def _follow_up(self, answer: Any) -> None:
         """Send the snapshot when the router asks for it."""

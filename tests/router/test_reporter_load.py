@@ -1,11 +1,12 @@
-"""The reporter sends the load with every batch of cache events, changed or not."""
+"""The reporter sends the load with every batch of cache events, changed or not, and between
+them when the request counts changed or the KV usage moved by a step."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from raydix.cache import EventBuffer, RadixCache
-from raydix.router.reporter import LoadReport, ReplicaReporter
+from raydix.router.reporter import KV_USAGE_STEP, LoadReport, ReplicaReporter
 
 
 class _Method:
@@ -37,3 +38,24 @@ def test_a_request_that_came_and_went_between_reads_still_brings_a_load_report()
     reporter.report_once()
     assert [name for name, _ in router.calls] == ["publish", "report_load"]
     assert router.calls[1][1] == ("r0", 0, 0, 0.0, 4096)
+
+
+def test_a_stream_growing_its_kv_sends_a_load_report_per_step_of_usage_not_per_token() -> None:
+    router = _Router()
+    load = LoadReport(1, 0, 0.5, 4096)
+    reporter = ReplicaReporter(router, "r0", lambda: (), lambda: load,  # type: ignore[arg-type]
+                               heartbeat_s=60.0)
+    reporter.report_once()
+    router.calls.clear()
+    tick = KV_USAGE_STEP / 10  # a token's worth of a small pool
+    sent = []
+    for i in range(1, 31):
+        load = LoadReport(1, 0, 0.5 + i * tick, 4096)
+        reporter.report_once()
+        sent += [args[3] for name, args in router.calls if name == "report_load"]
+        router.calls.clear()
+    assert len(sent) == 3  # at each whole step of usage
+    assert all(abs(b - a) >= KV_USAGE_STEP * 0.999 for a, b in zip([0.5, *sent[:-1]], sent, strict=True))
+    load = load._replace(num_waiting=1)  # a request queued: at once
+    reporter.report_once()
+    assert router.calls == [("report_load", ("r0", *load))]
