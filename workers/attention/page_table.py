@@ -24,6 +24,7 @@ may be a CPU (the tests) or a GPU.
 
 from __future__ import annotations
 
+import itertools
 from typing import NamedTuple
 
 import numpy as np
@@ -83,7 +84,7 @@ class PageTable:
         self._versions = np.zeros(0, np.int64)
         self._num_pages = np.zeros(0, np.int64)  # per real request
         self._num_padding = 0
-        self._indptr_host = np.zeros(1, np.int32)  # real and padding requests
+        self._indptr_host = np.zeros(1, np.int64)  # real and padding requests
 
     def invalidate(self) -> None:
         """Forget the kept table (someone else wrote the buffers): the next update rebuilds."""
@@ -112,7 +113,7 @@ class PageTable:
             self._versions = versions.copy() if versions is not None else self._versions
             self._num_padding = num_padding
         self._num_pages = num_pages
-        return PageTableView(torch.from_numpy(self._indptr_host),
+        return PageTableView(torch.from_numpy(self._indptr_host.astype(np.int32)),
                              self.indices[: int(self._indptr_host[-1])],
                              torch.from_numpy(last.astype(np.int32)))
 
@@ -129,37 +130,40 @@ class PageTable:
     def _update(self, num_pages: np.ndarray, last: np.ndarray) -> None:
         n = len(num_pages)
         grown = num_pages - self._num_pages
-        if not grown.any():  # only the last pages filled further
+        growers = np.flatnonzero(grown)
+        if not len(growers):  # only the last pages filled further
             self.last[:n].copy_(to_device(last[:n].astype(np.int32), self.device))
             return
-        old_indptr = self._indptr_host.astype(np.int64)
+        old_indptr = self._indptr_host
         new_indptr = old_indptr.copy()
         new_indptr[1: n + 1] += np.cumsum(grown)
-        new_indptr[n + 1:] += int(grown.sum())
+        new_indptr[n + 1:] += new_indptr[n] - old_indptr[n]
         self._reserve(int(new_indptr[-1]))
+        # the new pages, read from the request->token table (a decode adds at most one each)
+        if int(grown[growers].max()) == 1:
+            owner = growers
+            page_no = self._num_pages[growers]
+        else:
+            num_new = grown[growers]
+            owner = np.repeat(growers, num_new)
+            page_no = self._num_pages[owner] + np.arange(len(owner)) - np.repeat(
+                np.cumsum(num_new) - num_new, num_new)
+        arrays = [self._rows[owner], page_no * self.page_size,  # type: ignore[index]
+                  new_indptr[owner] + page_no, new_indptr, last[:n]]
         # the requests after the first that grew move right by the pages grown before them
-        first = int(np.argmax(grown > 0))
-        start, end = int(old_indptr[first + 1]), int(old_indptr[-1])
-        counts = np.diff(old_indptr[first + 1:])  # pages of each request that moves
-        shift = (new_indptr - old_indptr)[first + 1: -1]
-        # then the new pages, read from the request->token table
-        growers = np.flatnonzero(grown)
-        num_new = grown[growers]
-        owner = np.repeat(growers, num_new)
-        page_no = self._num_pages[owner] + np.arange(len(owner)) - np.repeat(
-            np.cumsum(num_new) - num_new, num_new)
-        rows = self._rows[owner]  # type: ignore[index]
-        shift_d, counts_d, rows_d, cols_d, dest_d, indptr_d, last_d = self._upload(
-            shift, counts, rows, page_no * self.page_size, new_indptr[owner] + page_no,
-            new_indptr, last[:n])
+        start, end = int(old_indptr[growers[0] + 1]), int(old_indptr[-1])
         if end > start:
+            arrays += [(new_indptr - old_indptr)[growers[0] + 1: -1],
+                       np.diff(old_indptr[growers[0] + 1:])]
+        rows_d, cols_d, dest_d, indptr_d, last_d, *move = self._upload(*arrays)
+        if move:
             dest = torch.arange(start, end, device=self.device) + torch.repeat_interleave(
-                shift_d, counts_d, output_size=end - start)
+                move[0], move[1], output_size=end - start)
             self.indices.index_copy_(0, dest, self.indices[start:end].clone())
         self._write_pages(rows_d, cols_d, dest_d)
         self.indptr[: len(new_indptr)].copy_(indptr_d)
         self.last[:n].copy_(last_d)
-        self._indptr_host = new_indptr.astype(np.int32)
+        self._indptr_host = new_indptr
 
     def _rebuild(self, row_idx: np.ndarray, num_pages: np.ndarray, num_padding: int,
                  last: np.ndarray) -> None:
@@ -181,7 +185,7 @@ class PageTable:
             self.indices[num_real:total] = 0
         self.indptr[: len(indptr)].copy_(indptr_d)
         self.last[: len(last)].copy_(last_d)
-        self._indptr_host = indptr.astype(np.int32)
+        self._indptr_host = indptr
 
     def _write_pages(self, rows: torch.Tensor, cols: torch.Tensor, dest: torch.Tensor) -> None:
         """indices[dest] = the pages of table entries (rows, cols)."""
@@ -203,5 +207,6 @@ class PageTable:
 
     def _upload(self, *arrays: np.ndarray) -> tuple[torch.Tensor, ...]:
         """The host arrays on the device (int64), in one copy."""
-        flat = np.concatenate([np.asarray(a, dtype=np.int64) for a in arrays])
-        return torch.split(to_device(flat, self.device), [len(a) for a in arrays])
+        flat = to_device(np.concatenate(arrays).astype(np.int64, copy=False), self.device)
+        bounds = np.cumsum([0] + [len(a) for a in arrays]).tolist()
+        return tuple(flat[a:b] for a, b in itertools.pairwise(bounds))
