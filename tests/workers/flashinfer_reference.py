@@ -19,8 +19,8 @@ The format, as flashinfer 0.7 documents it for `BatchDecodeWithPagedKVCacheWrapp
   (inclusive) window size"); -1 is no window;
 - `logits_soft_cap` c > 0: scores become c * tanh(scores / c) before the softmax;
 - with `use_cuda_graph`, the batch size is fixed by the buffers given to the constructor, `plan`
-  copies the page tables into them, and `run` (the replayed graph) reads only those buffers,
-  as they are when it runs;
+  copies the page tables into them (the page ids it is given: `indices[:len(indices)]`), and
+  `run` (the replayed graph) reads only those buffers, as they are when it runs;
 - a decode plan's work partition (which CTA reads which KV chunk of which request) follows the
   requests' page counts, except on the tensor-core kernel with `disable_split_kv=True`, where it
   is one chunk per request whatever its length (flashinfer's scheduler.cuh). A graph replayed
@@ -134,26 +134,27 @@ class BatchDecodeWithPagedKVCacheWrapper:
             raise ValueError("fixed_split_size is only supported by tensor core decode for now.")
         attend = dict(window_left=window_left, logits_soft_cap=logits_soft_cap,
                       sm_scale=sm_scale)
-        tables = _Tables(indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim,
-                         page_size, **attend)  # type: ignore[arg-type]
+        self.attend = dict(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
+                           head_dim=head_dim, page_size=page_size, **attend)
+        if self.use_cuda_graph:
+            # flashinfer copies the tables into the wrapper's buffers: indptr and lengths whole,
+            # the page ids given (a caller whose ids are in the buffer already may give none)
+            indptr_buf, indices_buf, last_buf = self.buffers
+            if len(indptr) != len(indptr_buf):
+                raise ValueError(f"a graph wrapper's batch is fixed at {len(indptr_buf) - 1}, "
+                                 f"planned with {len(indptr) - 1}")
+            if len(indices) > len(indices_buf):
+                raise ValueError(f"{len(indices)} pages overflow the {len(indices_buf)}-entry "
+                                 "indices buffer")
+            indptr_buf.copy_(indptr)
+            indices_buf[: len(indices)].copy_(indices)
+            last_buf.copy_(last_page_len)
+            indptr, indices, last_page_len = self.buffers
+        tables = _Tables(indptr, indices, last_page_len, **self.attend)  # type: ignore[arg-type]
         self.plans += 1
         pinned = self.use_tensor_cores and disable_split_kv
         self.partition = None if pinned else torch.diff(tables.indptr).tolist()
-        self.attend = dict(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
-                           head_dim=head_dim, page_size=page_size, **attend)
         self.tables = tables
-        if not self.use_cuda_graph:
-            return
-        indptr_buf, indices_buf, last_buf = self.buffers
-        if len(indptr) != len(indptr_buf):
-            raise ValueError(f"a graph wrapper's batch is fixed at {len(indptr_buf) - 1}, "
-                             f"planned with {len(indptr) - 1}")
-        if int(indptr[-1]) > len(indices_buf):
-            raise ValueError(f"{int(indptr[-1])} pages overflow the {len(indices_buf)}-entry "
-                             "indices buffer")
-        indptr_buf.copy_(indptr)
-        indices_buf[: int(indptr[-1])].copy_(indices[: int(indptr[-1])])
-        last_buf.copy_(last_page_len)
 
     def run(self, q: torch.Tensor, paged_kv_cache: tuple[torch.Tensor, torch.Tensor]
             ) -> torch.Tensor:

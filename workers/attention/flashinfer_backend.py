@@ -160,8 +160,11 @@ class FlashInferAttentionBackend(AttentionBackend):
     def _plan_graph_wrapper(self, bs: int, kind: int, view: PageTableView) -> None:
         dtype = self.pool.config.dtype
         split = dict(disable_split_kv=True) if self.graph_plan == "once" else {}
+        # the page ids are in the wrapper's buffer already (the graph table writes them there):
+        # given none, plan does not copy the buffer onto itself (vLLM's fast plan skips that
+        # copy too); it copies indptr and the lengths, the same values, from the host
         self._graph_wrappers[bs, kind].plan(  # type: ignore[attr-defined]
-            view.indptr, view.indices, view.last, self.num_q_heads, self.num_kv_heads,
+            view.indptr, view.indices[:0], view.last, self.num_q_heads, self.num_kv_heads,
             self.head_dim, self.page_size, q_data_type=dtype, kv_data_type=dtype,
             **self._kind_args(kind), **split)
 
