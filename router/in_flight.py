@@ -7,6 +7,10 @@ decision is also recorded here, as "``replica`` will hold this prompt", until:
 
 - the replica's events show it holds at least that much of the prompt (``confirm``);
 - or ``ttl_s`` passes (the request failed, was rejected, or the events were lost);
+- or the replica reports that it runs and queues nothing, ``idle_grace_s`` after the decision
+  (``drop_stale``): the request never reached it (Serve sent it to another replica because
+  the chosen one was full or slow to answer) or failed; counted for the whole ``ttl_s``, its
+  tokens would keep the replica looking busy and holding a prompt it never saw;
 - or the replica leaves (``drop_replica``);
 - or ``max_entries`` newer decisions push it out.
 
@@ -59,6 +63,7 @@ class InFlightPrefixes:
         self._by_replica: dict[ReplicaId, set[_Entry]] = {}
         self._cost: dict[_Entry, float] = {}
         self._backlog: dict[ReplicaId, float] = {}
+        self._added: dict[_Entry, float] = {}
         self._deadlines: deque[tuple[float, _Entry]] = deque()
 
     def __len__(self) -> int:
@@ -78,7 +83,9 @@ class InFlightPrefixes:
         self._by_replica.setdefault(replica, set()).add(entry)
         self._cost[entry] = cost
         self._backlog[replica] = self._backlog.get(replica, 0.0) + cost
-        self._deadlines.append((self._clock() + self.ttl_s, entry))
+        now = self._clock()
+        self._added[entry] = now
+        self._deadlines.append((now + self.ttl_s, entry))
         while len(self._entries) > self.max_entries:
             _, oldest = self._deadlines.popleft()
             if oldest in self._entries:
@@ -121,6 +128,14 @@ class InFlightPrefixes:
         in ``match``, when that runs)."""
         return self._backlog.get(replica, 0.0)
 
+    def drop_stale(self, replica: ReplicaId, idle_grace_s: float) -> None:
+        """``replica`` reported no running and no waiting request: its entries older than
+        ``idle_grace_s`` (time for the request to reach it) will never be confirmed."""
+        before = self._clock() - idle_grace_s
+        for entry in list(self._by_replica.get(replica, ())):
+            if self._added[entry] <= before:
+                self._remove(entry)
+
     def drop_replica(self, replica: ReplicaId) -> None:
         for entry in list(self._by_replica.get(replica, ())):
             self._remove(entry)
@@ -134,6 +149,7 @@ class InFlightPrefixes:
 
     def _remove(self, entry: _Entry) -> None:
         tokens, extra_key = self._entries.pop(entry)
+        del self._added[entry]
         self._tree.remove(entry, tokens, 0, extra_key)
         entries = self._by_replica[entry[0]]
         entries.discard(entry)

@@ -15,7 +15,7 @@ slow to answer) counts only until the next report, which replicas send at least 
 from __future__ import annotations
 
 import time
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -65,6 +65,9 @@ class RouterStats:
 
 
 MAX_APPROX_TOKENS = 4_000_000  # approximate mode: the tree's default cap, in tokens
+# a replica reporting nothing running or waiting drops its decisions in flight older than this
+# (the request went elsewhere); younger ones may still be on their way to it
+IDLE_GRACE_S = 1.0
 
 
 class RouterState:
@@ -75,11 +78,12 @@ class RouterState:
         exact: bool = True,
         max_approx_tokens: int = MAX_APPROX_TOKENS,
         in_flight_ttl_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.tree = GlobalPrefixTree(page_size)
         self.tier_tree = TierTree(page_size)  # device or host tier (tier_tree.py)
         self._host_tier_replicas: set[ReplicaId] = set()  # those that sent host-tier events
-        self.in_flight = InFlightPrefixes(page_size, in_flight_ttl_s)
+        self.in_flight = InFlightPrefixes(page_size, in_flight_ttl_s, clock=clock)
         self.policy = CacheAwarePolicy(policy)  # its config: the settings of either mode
         self.ttft_policy = ExpectedTTFTPolicy(self.policy.config.request_cost_tokens,
                                               self.policy.config.miss_cost)
@@ -120,12 +124,11 @@ class RouterState:
             for name, length in self.in_flight.match(tokens, extra_key).items():
                 if length > matched.get(name, 0):
                     matched[name] = length
-        loads = {name: self.replicas[name].load for name in names}
         if self._by_ttft:
-            backlog = {name: self.in_flight.backlog(name) for name in names}
-            fill = {name: self._fill(name, backlog[name]) for name in names}
+            loads, backlog, fill = self._ttft_inputs(names)
             decision = self.ttft_policy.choose(names, len(tokens), matched, loads, backlog, fill)
         else:
+            loads = {name: self.replicas[name].load for name in names}
             fullness = {name: self.replicas[name].fullness for name in names}
             decision = self.policy.choose(names, len(tokens), matched, loads, fullness)
         chosen = self.replicas[decision.replica]
@@ -143,11 +146,22 @@ class RouterState:
         self.stats.record(time.perf_counter_ns() - start)
         return decision
 
-    def _fill(self, name: ReplicaId, backlog: float) -> float:
-        """The share of its KV pool a replica's cache holds, with its backlog (0 while its
-        capacity is not known)."""
-        capacity = self.replicas[name].kv_capacity
-        return (self.tree.held_tokens(name) + backlog) / capacity if capacity else 0.0
+    def _ttft_inputs(self, names: Sequence[ReplicaId]
+                     ) -> tuple[dict[ReplicaId, float], dict[ReplicaId, float],
+                                dict[ReplicaId, float]]:
+        """Per replica: its load, its prefill backlog, and the share of its KV pool its cache
+        and backlog hold (0 while its capacity is not known), in one pass."""
+        loads: dict[ReplicaId, float] = {}
+        backlogs: dict[ReplicaId, float] = {}
+        fills: dict[ReplicaId, float] = {}
+        backlog_of, held_of = self.in_flight.backlog, self.tree.held_tokens
+        for name in names:
+            state = self.replicas[name]
+            loads[name] = state.num_running + state.fullness.num_waiting + state.num_unreported
+            b = backlogs[name] = backlog_of(name)
+            if state.kv_capacity:
+                fills[name] = (held_of(name) + b) / state.kv_capacity
+        return loads, backlogs, fills
 
     def _add_host_hits(self, matched: dict[ReplicaId, int], tokens: npt.NDArray[np.int32],
                        extra_key: Hashable) -> None:
@@ -208,3 +222,5 @@ class RouterState:
         state.num_running = num_running
         state.fullness = Fullness(num_waiting, kv_usage)
         state.num_unreported = 0
+        if self.exact and num_running == 0 and num_waiting == 0:
+            self.in_flight.drop_stale(replica, IDLE_GRACE_S)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from raydix.cache import EventBuffer, RadixCache
-from raydix.router.state import RouterState
+from raydix.router.state import IDLE_GRACE_S, RouterState
 from raydix.router.ttft_policy import ExpectedTTFTPolicy
 
 R = ["r0", "r1", "r2"]
@@ -130,23 +130,26 @@ class Reference:
     """The rule in plain terms: matched = what the replica's cache holds, or the longest
     prefix shared with a prompt routed there and not yet in its cache; backlog = the prompt
     tokens those routed prompts brought that their replica did not hold; footprint = the
-    tokens its cache holds (its own count) plus its backlog, over its reported capacity."""
+    tokens its cache holds (its own count) plus its backlog, over its reported capacity. A
+    replica reporting nothing running or waiting forgets the prompts routed to it at least
+    ``IDLE_GRACE_S`` before (they went elsewhere)."""
 
     def __init__(self, request_cost: float, miss_cost: float) -> None:
         self.request_cost = request_cost
         self.miss_cost = miss_cost
         self.capacity: dict[str, int] = {}
-        self.pending: dict[str, list[tuple[list[int], int]]] = {r: [] for r in R}
+        self.pending: dict[str, list[tuple[list[int], int, float]]] = {r: [] for r in R}
         self.turn = 0
+        self.now = 0.0
 
     def route(self, prompt: list[int], caches: dict[str, RadixCache],
               loads: dict[str, int]) -> tuple[str, int]:
         keys = {}
         matched = {}
-        backlog = {r: sum(c for _, c in self.pending[r]) for r in R}
+        backlog = {r: sum(c for _, c, _ in self.pending[r]) for r in R}
         for r in R:
             held = caches[r].match_prefix(np.asarray(prompt, dtype=np.int32)).cached_len
-            matched[r] = max([held] + [_lcp(prompt, p) for p, _ in self.pending[r]])
+            matched[r] = max([held] + [_lcp(prompt, p) for p, _, _ in self.pending[r]])
             fill = ((sum(caches[r].size_info) + backlog[r]) / self.capacity[r]
                     if r in self.capacity else 0.0)
             weight = self.miss_cost * (1 + fill)
@@ -158,7 +161,7 @@ class Reference:
         if len(tied) > 1:
             self.turn += 1
             chosen = tied[self.turn % len(tied)]
-        self.pending[chosen].append((prompt, len(prompt) - matched[chosen]))
+        self.pending[chosen].append((prompt, len(prompt) - matched[chosen], self.now))
         return chosen, matched[chosen]
 
     def computed(self, r: str, cache: RadixCache, inserted: list[list[int]]) -> None:
@@ -167,13 +170,17 @@ class Reference:
             held = cache.match_prefix(np.asarray(p, dtype=np.int32)).cached_len
             return held >= len(p) or any(len(p) <= len(q) and q[: len(p)] == p
                                          for q in inserted)
-        self.pending[r] = [(p, c) for p, c in self.pending[r] if not done(p)]
+        self.pending[r] = [e for e in self.pending[r] if not done(e[0])]
+
+    def idle(self, r: str) -> None:
+        self.pending[r] = [e for e in self.pending[r] if e[2] > self.now - IDLE_GRACE_S]
 
 
 @pytest.mark.parametrize("seed", range(6))
 def test_router_state_decides_as_the_reference(seed: int) -> None:
     rng = np.random.default_rng(seed)
-    state = RouterState(page_size=1)
+    clock = [0.0]
+    state = RouterState(page_size=1, clock=lambda: clock[0])
     state.set_replicas(R)
     reference = Reference(state.ttft_policy.request_cost_tokens, state.ttft_policy.miss_cost)
     buffers = {r: EventBuffer() for r in R}
@@ -182,6 +189,7 @@ def test_router_state_decides_as_the_reference(seed: int) -> None:
     groups = [rng.integers(100, 1000, int(rng.integers(20, 120))).tolist() for _ in range(5)]
     routed: dict[str, list[list[int]]] = {r: [] for r in R}
     for _ in range(150):
+        clock[0] = reference.now = reference.now + 0.15  # 22 s in all: none reaches the ttl
         prompt = groups[int(rng.integers(5))] + rng.integers(100, 1000, 8).tolist()
         loads_now = {r: int(state.replicas[r].load) for r in R}
         decision = state.route(prompt)
@@ -201,9 +209,32 @@ def test_router_state_decides_as_the_reference(seed: int) -> None:
         if rng.random() < 0.2:
             r = R[int(rng.integers(3))]
             capacity = int(rng.integers(300, 3000))
-            state.report_load(r, int(rng.integers(0, 4)), int(rng.integers(0, 3)), 0.5,
-                              kv_capacity=capacity)
+            running, waiting = int(rng.integers(0, 3)), int(rng.integers(0, 2))
+            state.report_load(r, running, waiting, 0.5, kv_capacity=capacity)
             reference.capacity[r] = capacity
+            if running == waiting == 0:
+                reference.idle(r)
     state.in_flight.check_integrity()
     for r in R:
-        assert state.in_flight.backlog(r) == sum(c for _, c in reference.pending[r])
+        assert state.in_flight.backlog(r) == sum(c for _, c, _ in reference.pending[r])
+
+
+def test_a_request_sent_elsewhere_stops_counting_once_its_replica_reports_idle() -> None:
+    """The router chose a replica but Serve sent the request to another (the chosen one missed
+    its queue-length deadline): the chosen one looks busy and holds the prompt only until it
+    reports nothing to do, once the request has had time to reach it."""
+    clock = [0.0]
+    state = RouterState(page_size=1, clock=lambda: clock[0])
+    state.set_replicas(R)
+    for r in R:
+        state.report_load(r, 0, 0, 0.0, kv_capacity=4096)
+    homes = [str(state.route(list(range(b, b + 80))).replica) for b in (100, 200, 300)]
+    assert sorted(homes) == R  # cold prompts spread
+    other, lost = homes[0], homes[2]  # the last never reaches its replica; `other` gets it
+    state.report_load(lost, 0, 0, 0.0)  # too soon: the request may be on its way
+    assert state.in_flight.backlog(lost) == 80
+    clock[0] = IDLE_GRACE_S + 0.1
+    state.report_load(other, 1, 0, 0.0)  # busy with what it was sent
+    state.report_load(lost, 0, 0, 0.0)
+    assert state.in_flight.backlog(lost) == 0 and state.in_flight.backlog(other) == 80
+    assert state.in_flight.match(np.arange(300, 380, dtype=np.int32)) == {}
