@@ -20,6 +20,10 @@ from _router_workloads import Workload
 
 _COUNTER = re.compile(r'^raydix_engine_(prompt_tokens|cached_tokens|finished_requests)_total'
                       r'\{replica="([^"]+)"\} ([0-9.e+]+)$', re.M)
+_TRACED = re.compile(r'^raydix_(?:engine_)?(prompt_tokens_total|cached_tokens_total|'
+                     r'num_running_requests|num_waiting_requests|kv_used_tokens)'
+                     r'\{replica="([^"]+)"\} ([0-9.e+]+)$', re.M)
+TRACE_PERIOD_S = 0.5
 
 
 async def _one(client: httpx.AsyncClient, url: str, prompt: list[int], max_tokens: int
@@ -49,8 +53,22 @@ async def _counters(client: httpx.AsyncClient, url: str) -> dict[tuple[str, str]
     return {(name, replica): float(v) for name, replica, v in _COUNTER.findall(text)}
 
 
+async def _trace(client: httpx.AsyncClient, url: str, t0: float,
+                 rows: list[dict[str, Any]]) -> None:
+    """Every `TRACE_PERIOD_S`: per replica its prompt and cached token counters, running and
+    waiting requests and KV tokens in use, as /metrics shows them."""
+    while True:
+        text = (await client.get(url + "/metrics")).text
+        row: dict[str, Any] = {"t": round(time.perf_counter() - t0, 2)}
+        for name, replica, v in _TRACED.findall(text):
+            row.setdefault(replica[-6:], {})[name.split("_")[1 if "num" in name else 0]] = \
+                float(v)
+        rows.append(row)
+        await asyncio.sleep(TRACE_PERIOD_S)
+
+
 async def _run(url: str, workload: Workload, concurrency: int | None, rate: float | None,
-               seed: int) -> dict[str, float]:
+               seed: int, trace: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """Closed loop: `concurrency` sessions in flight. Open loop: sessions start at `rate` per
     second (Poisson). A session's prompts go one after another."""
     n = len(workload.sessions)
@@ -60,6 +78,8 @@ async def _run(url: str, workload: Workload, concurrency: int | None, rate: floa
     async with httpx.AsyncClient(timeout=900, limits=limits) as client:
         before = await _counters(client, url)
         t0 = time.perf_counter()
+        poller = asyncio.create_task(_trace(client, url, t0, trace)) if trace is not None \
+            else None
 
         async def session(i: int, prompts: list[list[int]]) -> list[tuple[float, int, int, int]]:
             if starts is not None:
@@ -69,6 +89,8 @@ async def _run(url: str, workload: Workload, concurrency: int | None, rate: floa
 
         done = await asyncio.gather(*(session(i, s) for i, s in enumerate(workload.sessions)))
         wall = time.perf_counter() - t0
+        if poller is not None:
+            poller.cancel()
         await asyncio.sleep(1.5)  # the replicas' stats reach the board about once a second
         after = await _counters(client, url)
     results = [r for s in done for r in s]
@@ -86,12 +108,16 @@ async def _run(url: str, workload: Workload, concurrency: int | None, rate: floa
             "ttft_mean": float(np.nanmean(ttft)), "ttft_p90": float(np.nanpercentile(ttft, 90)),
             "ttft_p99": float(np.nanpercentile(ttft, 99)),
             "spread": float(loads.max() / loads.mean()) if loads.mean() > 0 else 1.0,
-            "wall_s": wall, "requests": float(len(results))}
+            "wall_s": wall, "requests": float(len(results)),
+            **({"per_request": [[round(r[0], 3), r[2]] for r in results]} if trace is not None
+               else {})}
 
 
 def run_workload(url: str, workload: Workload, concurrency: int | None, rate: float | None,
-                 seed: int = 7) -> dict[str, float]:
-    return asyncio.run(_run(url, workload, concurrency, rate, seed))
+                 seed: int = 7, trace: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """``trace``: a list to append the replicas' state to, twice a second, and the results then
+    carry each request's (TTFT, cached tokens) in session order."""
+    return asyncio.run(_run(url, workload, concurrency, rate, seed, trace))
 
 
 def warm_up(url: str, replicas: int) -> None:
