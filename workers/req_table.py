@@ -4,10 +4,12 @@
 request's length are stale or 0 (the padding slot) and are never read: attention reads positions
 [0, seq_len) only.
 
-`versions[row]` counts the times a row was freed or written by a table write (a new request's
-prefix, the prefix cache swapping slots): between two changes of its version, a row only gains
-entries past its request's length, so whatever was read from its first entries still holds
-(the attention backends' page tables rely on it).
+`versions[row]` counts the times a row's entries may have changed under what was read: it was
+freed, written by a table write (a new request's prefix, the prefix cache swapping slots), or
+given new tokens below the length it had reached (a request that restarts in a row nothing
+freed). Between two changes of its version a row only gains entries past its request's length,
+so whatever was read from its first entries still holds (the attention backends' page tables
+rely on it).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ class RequestTable:
         self.num_slots = num_slots
         self.device = device
         self.versions = np.zeros(max_running_requests, np.int64)  # host only
+        self._lengths = np.zeros(max_running_requests, np.int64)  # entries written per row
 
     def check(self, plan: StepPlan) -> None:
         """Raise ValueError if the plan points outside the table or the pool (host-side only)."""
@@ -61,16 +64,20 @@ class RequestTable:
             freed = np.asarray(plan.freed_rows, dtype=np.int64)
             self.table[self._dev(freed)] = 0
             np.add.at(self.versions, freed, 1)
+            self._lengths[freed] = 0
         for w in plan.table_writes:
             self.versions[w.row_idx] += 1
+            self._lengths[w.row_idx] = max(self._lengths[w.row_idx], w.start + len(w.slot_ids))
             self.table[w.row_idx, w.start: w.start + len(w.slot_ids)] = self._dev(
                 np.asarray(w.slot_ids, dtype=np.int32))
         if plan.batch_size == 0:
             return
         extend = plan.extend_lens.astype(np.int64)
-        rows = np.repeat(plan.row_idx.astype(np.int64), extend)
-        cols = np.arange(len(rows)) + np.repeat(
-            plan.prefix_lens.astype(np.int64) - (np.cumsum(extend) - extend), extend)
+        batch_rows, prefix = plan.row_idx.astype(np.int64), plan.prefix_lens.astype(np.int64)
+        self.versions[batch_rows[prefix < self._lengths[batch_rows]]] += 1
+        self._lengths[batch_rows] = prefix + extend
+        rows = np.repeat(batch_rows, extend)
+        cols = np.arange(len(rows)) + np.repeat(prefix - (np.cumsum(extend) - extend), extend)
         self.table[self._dev(rows), self._dev(cols)] = self._dev(
             plan.out_cache_loc.astype(np.int32))
 

@@ -63,6 +63,8 @@ def test_a_plan_with_the_split_off_does_not_depend_on_lengths(page_size: int,
     info_b, work_b = _plan(pinned, long, page_size, window_left, disable_split_kv=True)
     assert info_a == info_b
     assert torch.equal(work_a, work_b)
+    if window_left >= 0:  # a window caps the KV a split sees: these lengths split alike
+        return
     split = _graph_wrapper(4)  # flashinfer's own split: the partition follows the page counts
     info_c, work_c = _plan(split, short, page_size, window_left)
     info_d, work_d = _plan(split, long, page_size, window_left)

@@ -182,8 +182,9 @@ def test_overflow_is_refused_unless_growable() -> None:
 
 
 def test_request_table_versions_the_rows_it_rewrites() -> None:
-    """Frees and table writes bump a row's version; a step's new-token slots (written past the
-    request's length) do not, so the page tables keep what they read from that row."""
+    """Frees, table writes and new tokens below a row's length bump its version; a step's
+    new-token slots past the request's length do not, so the page tables keep what they read
+    from that row."""
     from raydix.workers.req_table import RequestTable
     from raydix.workers.step import GREEDY, ScheduledRequest, StepPlan, TableWrite
 
@@ -196,3 +197,8 @@ def test_request_table_versions_the_rows_it_rewrites() -> None:
                              [TableWrite(2, 0, np.array([4, 5], np.int32))], [3])
     table.apply(rewrite)
     assert table.versions.tolist() == [0, 0, 1, 1]
+    # row 1 taken again from position 0 with nothing freed (a test driver's way): rewritten
+    restart = StepPlan.build(2, [ScheduledRequest(1, 0, [7, 8], [30, 31], GREEDY),
+                                 ScheduledRequest(2, 6, [9], [40], GREEDY)])
+    table.apply(restart)
+    assert table.versions.tolist() == [0, 1, 1, 1]
