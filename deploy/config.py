@@ -169,7 +169,7 @@ class AppConfig(BaseModel):
         "routes by load (Ray's default: never)"
     )
     routing_policy: Literal["ttft", "threshold"] = Field(
-        "threshold", description="cache_aware: the replica with the least expected time to first "
+        "ttft", description="cache_aware: the replica with the least expected time to first "
         "token (its uncached prompt tokens behind its prefill backlog), or the longest match "
         "above cache_threshold unless the holder is overloaded"
     )

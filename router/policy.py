@@ -49,7 +49,7 @@ class RoutingPolicyConfig:
     # of a new one, in prompt tokens, beside the prompt tokens it has yet to compute
     request_cost_tokens: float = 32.0
     # ttft: what a prompt token to compute counts against a token of another request's queue,
-    # on an empty pool; on a full one twice that (it evicts prefixes others would hit)
+    # and again for each token it evicts from a full pool (a prefix others would hit)
     miss_cost: float = 2.0
     cache_threshold: float = 0.5
     balance_abs_threshold: int = 32

@@ -125,8 +125,8 @@ class RouterState:
                 if length > matched.get(name, 0):
                     matched[name] = length
         if self._by_ttft:
-            loads, backlog, fill = self._ttft_inputs(names)
-            decision = self.ttft_policy.choose(names, len(tokens), matched, loads, backlog, fill)
+            loads, backlog, free = self._ttft_inputs(names)
+            decision = self.ttft_policy.choose(names, len(tokens), matched, loads, backlog, free)
         else:
             loads = {name: self.replicas[name].load for name in names}
             fullness = {name: self.replicas[name].fullness for name in names}
@@ -149,19 +149,19 @@ class RouterState:
     def _ttft_inputs(self, names: Sequence[ReplicaId]
                      ) -> tuple[dict[ReplicaId, float], dict[ReplicaId, float],
                                 dict[ReplicaId, float]]:
-        """Per replica: its load, its prefill backlog, and the share of its KV pool its cache
-        and backlog hold (0 while its capacity is not known), in one pass."""
+        """Per replica: its load, its prefill backlog, and the KV tokens its cache and backlog
+        leave free in its pool (none while its capacity is not known), in one pass."""
         loads: dict[ReplicaId, float] = {}
         backlogs: dict[ReplicaId, float] = {}
-        fills: dict[ReplicaId, float] = {}
+        free: dict[ReplicaId, float] = {}
         backlog_of, held_of = self.in_flight.backlog, self.tree.held_tokens
         for name in names:
             state = self.replicas[name]
             loads[name] = state.num_running + state.fullness.num_waiting + state.num_unreported
             b = backlogs[name] = backlog_of(name)
             if state.kv_capacity:
-                fills[name] = (held_of(name) + b) / state.kv_capacity
-        return loads, backlogs, fills
+                free[name] = state.kv_capacity - held_of(name) - b
+        return loads, backlogs, free
 
     def _add_host_hits(self, matched: dict[ReplicaId, int], tokens: npt.NDArray[np.int32],
                        extra_key: Hashable) -> None:

@@ -47,7 +47,7 @@ def test_router_flags_pick_the_request_router() -> None:
                    "--router-decision-timeout-s", "0.2")
     assert config.router == "cache_aware"  # the default
     assert routing_policy(config) == RoutingPolicyConfig(
-        mode="threshold", cache_threshold=0.7, balance_abs_threshold=8,
+        mode="ttft", cache_threshold=0.7, balance_abs_threshold=8,
         balance_rel_threshold=2.0, saturated_kv_usage=0.8)
     options = request_router_options(config)["request_router_config"]
     assert options.get_request_router_class() is CacheAwareRequestRouter

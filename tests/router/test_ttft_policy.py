@@ -73,14 +73,55 @@ def test_load_counts_per_request() -> None:
     assert policy.choose(R, 400, {"r0": 400}, loads, {}) == ("r0", 400, "cache")  # 200 < 400
 
 
-def test_new_prefixes_go_where_the_pool_is_least_full() -> None:
-    """Equal queues: a cold prompt goes to the replica whose pool is least full, though
-    another is a little less busy; with every pool empty, the less busy one."""
+def test_new_prefixes_go_where_they_evict_least() -> None:
+    """Equal queues: a cold prompt goes to the replica that must evict least for it, though
+    another is a little less busy; with room in every pool, the less busy one."""
     policy = ExpectedTTFTPolicy(request_cost_tokens=32)
     loads = {"r0": 0, "r1": 2, "r2": 1}
-    fill = {"r0": 0.75, "r1": 0.25, "r2": 0.5}
-    assert policy.choose(R, 1000, {}, loads, {}, fill).replica == "r1"
-    assert policy.choose(R, 1000, {}, loads, {}, dict.fromkeys(R, 0.0)).replica == "r0"
+    free = {"r0": 0.0, "r1": 3000.0, "r2": 500.0}
+    assert policy.choose(R, 1000, {}, loads, {}, free).replica == "r1"
+    assert policy.choose(R, 1000, {}, loads, {}, dict.fromkeys(R, 1000.0)).replica == "r0"
+    # a pool over-full by its backlog evicts no more than the prompt
+    assert policy.cost(1000, 0, 0.0, 0.0, free=-5000.0) == 2 * 2000
+
+
+def test_a_few_cached_first_tokens_do_not_draw_every_cold_prompt() -> None:
+    """Unrelated cold prompts on idle replicas, with one or two of their first tokens cached
+    on some: they spread over all of them (costs one request's apart are a tie)."""
+    policy = ExpectedTTFTPolicy()
+    chosen = [policy.choose(R, 80, {"r0": 2, "r1": 1}, {}, {}).replica for _ in range(6)]
+    assert sorted(chosen) == sorted(R * 2)
+    # a real hit still wins: a holder of 40 of the 80 tokens
+    assert policy.choose(R, 80, {"r0": 40, "r1": 1}, {}, {}) == ("r0", 40, "cache")
+
+
+def test_a_new_replica_shares_cold_prompts_with_running_ones() -> None:
+    """Two replicas that served earlier groups and an empty one that replaces a third, pools
+    with room: unrelated cold prompts, one at a time, reach all three (not only the empty one,
+    and not only the holders of a few of their first tokens)."""
+    rng = np.random.default_rng(3)
+    state = RouterState(page_size=1)
+    state.set_replicas(["a", "b"])
+    buffers = {r: EventBuffer() for r in "abn"}
+    caches = {r: RadixCache(event_sink=buffers[r]) for r in "abn"}
+    slots = itertools.count(1)
+
+    def serve(prompt: list[int]) -> str:
+        r = str(state.route(prompt).replica)
+        caches[r].insert(prompt + [7, 7], [next(slots) for _ in range(len(prompt) + 2)])
+        state.publish(r, buffers[r].drain())
+        state.report_load(r, 0, 0, 0.0, kv_capacity=4096)
+        return r
+
+    for r in "ab":
+        state.report_load(r, 0, 0, 0.0, kv_capacity=4096)
+    groups = [rng.integers(2, 256, 64).tolist() for _ in range(9)]
+    for _ in range(60):  # the running replicas fill a third of their pools
+        serve(groups[int(rng.integers(9))] + rng.integers(2, 256, 16).tolist())
+    state.set_replicas(["a", "b", "n"])
+    state.report_load("n", 0, 0, 0.0, kv_capacity=4096)
+    homes = [serve(rng.integers(2, 256, 80).tolist()) for _ in range(9)]
+    assert set(homes) == {"a", "b", "n"} and max(homes.count(r) for r in "abn") <= 4, homes
 
 
 def test_sequential_groups_keep_one_home() -> None:
@@ -129,8 +170,8 @@ def _lcp(a: list[int], b: list[int]) -> int:
 class Reference:
     """The rule in plain terms: matched = what the replica's cache holds, or the longest
     prefix shared with a prompt routed there and not yet in its cache; backlog = the prompt
-    tokens those routed prompts brought that their replica did not hold; footprint = the
-    tokens its cache holds (its own count) plus its backlog, over its reported capacity. A
+    tokens those routed prompts brought that their replica did not hold; free = its reported
+    capacity less the tokens its cache holds (its own count) and its backlog. A
     replica reporting nothing running or waiting forgets the prompts routed to it at least
     ``IDLE_GRACE_S`` before (they went elsewhere)."""
 
@@ -144,19 +185,22 @@ class Reference:
 
     def route(self, prompt: list[int], caches: dict[str, RadixCache],
               loads: dict[str, int]) -> tuple[str, int]:
-        keys = {}
-        matched = {}
+        costs, matched = {}, {}
         backlog = {r: sum(c for _, c, _ in self.pending[r]) for r in R}
         for r in R:
             held = caches[r].match_prefix(np.asarray(prompt, dtype=np.int32)).cached_len
             matched[r] = max([held] + [_lcp(prompt, p) for p, _, _ in self.pending[r]])
-            fill = ((sum(caches[r].size_info) + backlog[r]) / self.capacity[r]
-                    if r in self.capacity else 0.0)
-            weight = self.miss_cost * (1 + fill)
-            cost = weight * (len(prompt) - matched[r]) + backlog[r] + self.request_cost * loads[r]
-            keys[r] = (cost, -matched[r], loads[r])
-        low = min(keys.values())
-        tied = sorted(r for r in R if keys[r] == low)
+            to_compute = len(prompt) - matched[r]
+            free = (self.capacity[r] - sum(caches[r].size_info) - backlog[r]
+                    if r in self.capacity else float("inf"))
+            evicted = min(max(to_compute - free, 0), to_compute)
+            costs[r] = (self.miss_cost * (to_compute + evicted) + backlog[r]
+                        + self.request_cost * loads[r])
+        # within one request's cost: a tie; then the longest match (as close), least load
+        near = [r for r in R if costs[r] <= min(costs.values()) + self.request_cost]
+        top = max(matched[r] for r in near)
+        near = [r for r in near if matched[r] >= top - self.request_cost]
+        tied = sorted(r for r in near if loads[r] == min(loads[q] for q in near))
         chosen = tied[0]
         if len(tied) > 1:
             self.turn += 1
