@@ -263,7 +263,7 @@ class ModelRunner:
             sampling = self.sampling_table.update(plan)
             self.grammars.update(plan, sampling)
             if plan.batch_size and self.grammars.num_active:
-                self.grammars.prepare(plan)
+                self.grammars.prepare(plan, sampling)
         if plan.batch_size == 0:
             self.table.check(plan)
             self.table.apply(plan)
@@ -274,8 +274,9 @@ class ModelRunner:
         if plan.batch_size == 0:
             return self._empty_result(plan)
         seq_lens = plan.prefix_lens.astype(np.int64) + plan.extend_lens
-        out = self.sampler.sample(logits, sampling, seq_lens, self._logit_processors(plan,
-                                                                                     sampling))
+        check = self.grammars if self.grammars.num_active and self.grammars.draws_first else None
+        out = self.sampler.sample(logits, sampling, seq_lens,
+                                  self._logit_processors(plan, sampling), check)
         rows = [out.token_ids.double()[None]]  # token ids are exact in float64
         if out.logprobs is not None:
             rows.append(out.logprobs.double()[None])

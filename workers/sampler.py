@@ -5,13 +5,16 @@ No `torch.multinomial`: a sample is `argmax(probs / E)` with E ~ Exponential(1) 
 entry (the exponential-race form of the Gumbel trick). A seeded request draws E from a generator
 seeded by (seed, position of the sampled token), so the same seed and prompt give the same tokens
 whatever else is in the batch. Greedy batches take a fast path (one argmax).
+
+A `TokenCheck` (grammars on a CPU) names, after the draw, the rows whose token it does not allow;
+only those rows are masked and drawn again, with the noise of the first draw.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -29,6 +32,14 @@ class SampleOutput(NamedTuple):
     top: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
+class TokenCheck(Protocol):
+    def rejected(self, token_ids: torch.Tensor) -> list[int]:
+        """The rows whose drawn token (`token_ids` [B]) is not allowed."""
+
+    def mask(self, logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """`logits` [len(rows), V] of those rows with their disallowed tokens at -inf."""
+
+
 class Sampler:
     def __init__(self, device: torch.device | str, seed: int = 0) -> None:
         self.device = torch.device(device)
@@ -36,10 +47,13 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, params: Sequence[SamplingParams],
                positions: np.ndarray,
-               adjust: Callable[[torch.Tensor], torch.Tensor] | None = None) -> SampleOutput:
+               adjust: Callable[[torch.Tensor], torch.Tensor] | None = None,
+               check: TokenCheck | None = None) -> SampleOutput:
         """logits: [B, V]; `positions[i]` is the position the sampled token will take (the
         request's seq_len), used to derive seeded noise. `adjust` (the penalties) maps the
-        float32 logits to those sampled from; logprobs stay those of the raw logits."""
+        float32 logits to those sampled from; logprobs stay those of the raw logits. `check`
+        names the rows to mask and draw again (only rows whose draw an allowed-set mask would
+        not change: greedy or unfiltered)."""
         if logits.shape[0] != len(params) or len(positions) != len(params):
             raise ValueError(f"{logits.shape[0]} logit rows, {len(params)} sampling params and "
                              f"{len(positions)} positions must agree")
@@ -47,10 +61,18 @@ class Sampler:
         logits = adjust(raw) if adjust is not None else raw
         if any(p.logit_bias or p.banned_token_ids for p in params):
             logits = self._bias_and_ban(logits, params)
+        noise = None
         if all(p.is_greedy for p in params):
             token_ids = logits.argmax(dim=-1)
         else:
-            token_ids = self._sample_random(logits, params, positions)
+            noise = self._noise(logits, params, positions)
+            token_ids = self._race(logits, params, noise)
+        rows = check.rejected(token_ids) if check is not None else []
+        if check is not None and rows:
+            index = torch.tensor(rows, device=self.device)
+            masked = check.mask(logits[index], rows)
+            token_ids[index] = (masked.argmax(dim=-1) if noise is None else
+                                self._race(masked, [params[i] for i in rows], noise[index]))
         logprobs = top = None
         num_top = max(p.top_logprobs for p in params)
         if num_top or any(p.return_logprob for p in params):
@@ -61,19 +83,29 @@ class Sampler:
                 top = (values, ids)
         return SampleOutput(token_ids, logprobs, top)
 
-    def _sample_random(self, logits: torch.Tensor, params: Sequence[SamplingParams],
-                       positions: np.ndarray) -> torch.Tensor:
+    def _noise(self, logits: torch.Tensor, params: Sequence[SamplingParams],
+               positions: np.ndarray) -> torch.Tensor:
+        """E ~ Exponential(1) per entry of `logits`; a seeded row's from its (seed, position)."""
+        dev = self.device
+        noise = torch.empty(logits.shape, dtype=torch.float32, device=dev).exponential_(
+            generator=self._generator)
+        for i, p in enumerate(params):
+            if p.seed is not None and not p.is_greedy:
+                g = torch.Generator(device=dev).manual_seed(_row_seed(p.seed, int(positions[i])))
+                noise[i].exponential_(generator=g)
+        return noise
+
+    def _race(self, logits: torch.Tensor, params: Sequence[SamplingParams],
+              noise: torch.Tensor) -> torch.Tensor:
+        """Each row's token: argmax(probs / noise) after its temperature and filters (greedy
+        rows: the argmax of the logits). Rows are independent: a subset of rows with their noise
+        draws what they draw in the whole batch."""
         dev = self.device
         temps = torch.tensor([p.temperature if not p.is_greedy else 1.0 for p in params],
                              dtype=torch.float32, device=dev)
         probs = torch.softmax(logits / temps[:, None], dim=-1)
         if any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params):
             probs = self._filter(probs, params)
-        noise = torch.empty_like(probs).exponential_(generator=self._generator)
-        for i, p in enumerate(params):
-            if p.seed is not None and not p.is_greedy:
-                g = torch.Generator(device=dev).manual_seed(_row_seed(p.seed, int(positions[i])))
-                noise[i].exponential_(generator=g)
         sampled = (probs / noise).argmax(dim=-1)
         greedy_rows = [i for i, p in enumerate(params) if p.is_greedy]
         if greedy_rows:

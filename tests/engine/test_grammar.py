@@ -221,3 +221,45 @@ def test_the_overlapped_loop_gives_the_same_grammar_outputs(engine: Engine,
     assert got == expected
     assert grammar_rows(overlapped) == 0
     assert_drained(overlapped)
+
+
+def test_drawing_first_gives_the_tokens_of_masking_first(engine: Engine, tiny_tok: Path) -> None:
+    """On a CPU a row draws before its mask and is masked only when its grammar rejects the draw
+    (the tiny model's draws are mostly garbage, so both ways run); greedy and seeded sampled
+    requests get the tokens they get with every row masked before the draw; so do filtered
+    requests (min-p, top-k), which are masked first either way (drawn first, their filters would
+    keep other tokens)."""
+    prompts = [p * 2 for p in prompts_of(tiny_tok, 8)]
+    params = json_params(6)
+    words = GrammarSpec("regex", r"[a-z]+( [a-z]+){3,6}")
+    params += [GenerationParams(sampling=SamplingParams(temperature=1.0, seed=5 + i, grammar=words,
+                                                        **f), max_new_tokens=40)  # type: ignore[arg-type]
+               for i, f in enumerate([{"min_p": 0.2}, {"top_k": 5}])]
+    grammars = engine.executor.worker.runner.grammars  # type: ignore[attr-defined]
+    assert grammars.check_first
+    rejected = grammars.rejected
+    counts = {"drawn": 0, "masked": 0}  # rows drawn first; those masked after their draw
+
+    def counted(token_ids: object) -> list[int]:
+        rows = rejected(token_ids)
+        counts["drawn"] += len(grammars._drawn_first)
+        counts["masked"] += len(rows)
+        return rows
+
+    grammars.rejected = counted
+    try:
+        drawn_first = run(engine, prompts, params)
+    finally:
+        del grammars.rejected
+    grammars.check_first = False
+    try:
+        masked_first = run(engine, prompts, params)
+    finally:
+        grammars.check_first = True
+    assert [r[0] for r in drawn_first] == [r[0] for r in masked_first]
+    assert 0 < counts["masked"] < counts["drawn"]
+    for _, text, _ in drawn_first[:-2]:
+        jsonschema.validate(json.loads(text), SCHEMA)
+    for _, text, _ in drawn_first[-2:]:
+        assert re.fullmatch(r"[a-z]+( [a-z]+){3,6}", text), text
+    assert_drained(engine)

@@ -1,6 +1,9 @@
-"""The sampler: greedy fast path, seeds, top-k / top-p / min-p filters, logprobs."""
+"""The sampler: greedy fast path, seeds, top-k / top-p / min-p filters, logprobs, the token check
+after the draw."""
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 import pytest
@@ -92,6 +95,45 @@ def test_logprobs_of_the_chosen_tokens() -> None:
     assert out.logprobs is not None
     expected = torch.log_softmax(logits, -1).gather(1, out.token_ids[:, None]).squeeze(1)
     torch.testing.assert_close(out.logprobs, expected)
+
+
+class _AllowedSets:
+    """A token check allowing each row a fixed set of tokens, as a grammar does."""
+
+    def __init__(self, allowed: torch.Tensor) -> None:
+        self.allowed = allowed  # [B, V] bool
+        self.masked: list[int] = []
+
+    def rejected(self, token_ids: torch.Tensor) -> list[int]:
+        return [i for i, t in enumerate(token_ids.tolist()) if not self.allowed[i, t]]
+
+    def mask(self, logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        self.masked += rows
+        return logits.masked_fill_(~self.allowed[rows], -math.inf)
+
+
+@pytest.mark.parametrize("greedy_only", [False, True])
+def test_a_token_check_draws_what_masking_first_draws(greedy_only: bool) -> None:
+    """Rows drawn unmasked, then masked and drawn again with the same noise only where the check
+    rejects their token, get the tokens of rows masked before the draw: greedy, seeded and
+    unseeded rows, at several temperatures."""
+    gen = torch.Generator().manual_seed(5)
+    rows, vocab = 96, 40
+    logits = torch.randn(rows, vocab, generator=gen) * 3
+    allowed = torch.rand(rows, vocab, generator=gen) < 0.3
+    allowed[torch.arange(rows), torch.randint(vocab, (rows,), generator=gen)] = True
+    params = [SamplingParams(temperature=0.0 if greedy_only or i % 4 == 0 else 0.5 + i / rows,
+                             seed=1000 + i if i % 3 else None) for i in range(rows)]
+    positions = np.arange(rows) + 10
+    first = Sampler("cpu").sample(logits, params, positions,
+                                  lambda x: x.masked_fill(~allowed, -math.inf)).token_ids
+    check = _AllowedSets(allowed)
+    drawn = Sampler("cpu").sample(logits, params, positions, check=check).token_ids
+    assert drawn.tolist() == first.tolist()
+    assert all(allowed[i, t] for i, t in enumerate(drawn.tolist()))
+    assert 0 < len(check.masked) < rows  # some rows drew an allowed token first, some did not
+    unchecked = Sampler("cpu").sample(logits, params, positions).token_ids
+    assert unchecked.tolist() != drawn.tolist()  # the check changed some draws
 
 
 def test_rejects_bad_params() -> None:

@@ -7,14 +7,22 @@ they come. So a token sampled after a middle prompt chunk, which the engine drop
 accepted, and a retracted request starts again from its own tokens: nothing is replayed twice
 and nothing of a freed row is kept.
 
-A step's masks depend only on its plan (its input tokens are the output the matchers accept), so
-they are made beside the forward: `prepare` hands the step's matchers to the mask thread, which
-fills their rows of one batched token bitmask with xgrammar's batched call (one call for the
-batch; xgrammar releases the GIL), and on a CPU also turns the bitmask into an additive mask
-(0 where allowed, -inf where not, xgrammar's kernel on a zeroed tensor). After the forward,
-`apply` waits for the thread and adds the mask to the logits (on a GPU: copies the bitmask and
-applies it with xgrammar's kernel). A sampled stop token ends the request: the mask lets one
-through only where the grammar may end, so its end ends the request.
+A row's masks depend only on its plan (its input tokens are the output the matchers accept).
+On a CPU a mask costs CPU time the forward needs (xgrammar takes 2-5 ms a row inside a
+length-bounded JSON string, a few microseconds elsewhere), so most rows draw first and are
+masked only when their grammar rejects what they drew: a greedy row, or one sampled with no
+top-k, top-p or min-p, draws the token its mask would leave it whenever the grammar allows the
+unmasked draw (the argmax, or the exponential race's winner: over the allowed tokens the race
+picks the same one, as renormalising scales every allowed score alike). `rejected` lets each
+such row's matcher take its drawn token and give it back (xgrammar's batched accept and
+rollback); `mask` fills the rejected rows' bitmask with xgrammar's batched call and applies it
+to those rows with xgrammar's kernel, and the sampler draws them again with the same noise.
+The other rows (with a filter, or every row when `check_first` is off, as on a GPU) are masked
+before sampling, their masks made beside the forward: `prepare` hands their matchers to the mask
+thread, which fills their rows of one batched token bitmask (xgrammar releases the GIL), and
+after the forward `apply` waits for it and applies it (on a GPU, the bitmask copied over first).
+A sampled stop token ends the request: the grammar lets one through only where it may end, so
+its end ends the request.
 """
 
 from __future__ import annotations
@@ -55,12 +63,12 @@ class GrammarTable:
         self._thread: ThreadPoolExecutor | None = None  # the mask thread, made on first use
         self._batch_matcher: xgrammar.BatchGrammarMatcher | None = None
         self._bitmask: torch.Tensor | None = None  # [capacity, words] int32 on the CPU
-        self._additive: torch.Tensor | None = None  # [capacity, vocab] float32 (CPU logits)
-        self._masks: Future[list[int]] | None = None  # this step's: the batch rows it masks
-        # False: the masks are made after the forward, on the step's thread (what benchmarks
-        # compare against)
-        self.masks_beside_forward = True
-        self._deferred: tuple[list[tuple[int, xgrammar.GrammarMatcher]], int] | None = None
+        self._masks: Future[list[int]] | None = None  # this step's: the batch rows masked first
+        # this step's rows that draw before any mask: (batch row, matcher)
+        self._drawn_first: list[tuple[int, xgrammar.GrammarMatcher]] = []
+        # True: rows that may draw first do (a CPU's way); False: every grammar row is masked
+        # before sampling (a GPU's way: no host sync between the draw and the mask)
+        self.check_first = device.type == "cpu"
 
     @property
     def num_active(self) -> int:
@@ -70,6 +78,7 @@ class GrammarTable:
         """Follow the plan: drop freed rows, start new matchers, accept this step's output
         tokens. `sampling`: the batch's settings in plan order (the new rows' grammars)."""
         self._wait()  # the mask thread may still read the matchers of a step that failed
+        self._drawn_first = []
         for row in plan.freed_rows:
             self._rows.pop(row, None)
         if plan.grammar_starts:
@@ -108,9 +117,9 @@ class GrammarTable:
         state.accept(np.asarray(output_ids))
         return state
 
-    def prepare(self, plan: StepPlan) -> None:
-        """Start making the masks of the plan's step on the mask thread (after `update`, before
-        the forward): one bitmask row per grammar row whose matcher has not ended. A matcher
+    def prepare(self, plan: StepPlan, sampling: tuple[SamplingParams, ...]) -> None:
+        """Sort the plan's grammar rows (after `update`, before the forward): those that draw
+        first, and those masked first, whose masks the mask thread starts making now. A matcher
         that has taken its stop token is done: with the overlapped step loop its request can
         run one step more, whose token the engine drops, so it needs no mask."""
         self._wait()
@@ -121,62 +130,87 @@ class GrammarTable:
             return
         import xgrammar as xgr
 
-        batch, vocab = plan.batch_size, self.compiler.vocab_size
+        batch = plan.batch_size
         if self._bitmask is None or self._bitmask.shape[0] < batch:
-            capacity = max(batch, 16)
-            self._bitmask = xgr.allocate_token_bitmask(capacity, vocab)
-            if self.device.type == "cpu":
-                self._additive = torch.empty(capacity, vocab, dtype=torch.float32)
+            self._bitmask = xgr.allocate_token_bitmask(max(batch, 16), self.compiler.vocab_size)
+        if self._batch_matcher is None:
+            self._batch_matcher = xgr.BatchGrammarMatcher(max_threads=1)
+        if self.check_first:
+            self._drawn_first = [(i, m) for i, m in picked if _draws_first(sampling[i])]
+            picked = [(i, m) for i, m in picked if not _draws_first(sampling[i])]
+            if not picked:
+                return
         if self._thread is None:
             self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="raydix-masks")
-            self._batch_matcher = xgr.BatchGrammarMatcher(max_threads=1)
-        if self.masks_beside_forward:
-            self._masks = self._thread.submit(self._fill, picked, batch)
-        else:
-            self._deferred = (picked, batch)
+        self._masks = self._thread.submit(self._fill, picked)
 
-    @torch.inference_mode()
-    def _fill(self, picked: list[tuple[int, xgrammar.GrammarMatcher]], batch: int) -> list[int]:
-        """On the mask thread: the picked rows' bitmask (and on a CPU their additive mask)."""
-        import xgrammar as xgr
-
+    def _fill(self, picked: list[tuple[int, xgrammar.GrammarMatcher]]) -> list[int]:
+        """On the mask thread: the picked rows' bitmask; their batch rows."""
         assert self._bitmask is not None and self._batch_matcher is not None
         rows = [i for i, _ in picked]
         self._batch_matcher.batch_fill_next_token_bitmask([m for _, m in picked],
                                                           self._bitmask, rows)
-        if self._additive is not None:
-            additive = self._additive[:batch].zero_()
-            xgr.apply_token_bitmask_inplace(additive, self._bitmask[:batch],
-                                            vocab_size=self.compiler.vocab_size, indices=rows)
         return rows
 
     def _wait(self) -> list[int] | None:
         """The rows of the masks being made, once they are made (None when none are)."""
         masks, self._masks = self._masks, None
-        if masks is not None:
-            return masks.result()
-        deferred, self._deferred = self._deferred, None
-        return self._fill(*deferred) if deferred is not None else None
+        return masks.result() if masks is not None else None
 
     def apply(self, logits: torch.Tensor, plan: StepPlan) -> torch.Tensor:
-        """`logits` [B, V] float32 with every grammar row's disallowed tokens at -inf (a new
-        tensor: the caller's logits stay those of the model)."""
+        """`logits` [B, V] float32 with the disallowed tokens of the rows masked first at -inf
+        (a new tensor: the caller's logits stay those of the model)."""
         rows = self._wait()
         if rows is None:
             return logits
         import xgrammar as xgr
 
-        batch, vocab = logits.shape
-        if vocab != self.compiler.vocab_size:
-            raise ValueError(f"{vocab} logits per row, but the grammars were compiled for a "
-                             f"vocabulary of {self.compiler.vocab_size}")
+        self._check_vocab(logits)
         assert self._bitmask is not None
-        if logits.device.type == "cpu" and self._additive is not None:
-            return logits + self._additive[:batch]
         out = logits.clone()
-        mask = self._bitmask[:batch].to(out.device, non_blocking=True)
-        xgr.apply_token_bitmask_inplace(out, mask, vocab_size=vocab, indices=rows)
+        mask = self._bitmask[:logits.shape[0]].to(out.device, non_blocking=True)
+        xgr.apply_token_bitmask_inplace(out, mask, vocab_size=self.compiler.vocab_size,
+                                        indices=rows)
         return out
+
+    def rejected(self, token_ids: torch.Tensor) -> list[int]:
+        """The batch rows that drew first whose drawn token (`token_ids` [B], on the CPU) their
+        grammar does not allow. Each matcher takes its row's token and gives it back."""
+        if not self._drawn_first:
+            return []
+        import xgrammar as xgr
+
+        rows = [i for i, _ in self._drawn_first]
+        matchers = [m for _, m in self._drawn_first]
+        allowed = xgr.BatchGrammarMatcher.batch_accept_token(matchers, token_ids[rows].tolist())
+        taken = [m for m, ok in zip(matchers, allowed, strict=True) if ok]
+        if taken:
+            xgr.BatchGrammarMatcher.batch_rollback(taken, 1)
+        return [i for i, ok in zip(rows, allowed, strict=True) if not ok]
+
+    def mask(self, logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """`logits` [len(rows), V] float32 of the batch rows `rows` (of those `rejected` named;
+        a tensor the caller owns) with their disallowed tokens at -inf, in place."""
+        import xgrammar as xgr
+
+        self._check_vocab(logits)
+        assert self._bitmask is not None and self._batch_matcher is not None
+        matcher_of = dict(self._drawn_first)
+        self._batch_matcher.batch_fill_next_token_bitmask(
+            [matcher_of[i] for i in rows], self._bitmask, list(range(len(rows))))
+        xgr.apply_token_bitmask_inplace(logits, self._bitmask[:len(rows)],
+                                        vocab_size=self.compiler.vocab_size)
+        return logits
+
+    def _check_vocab(self, logits: torch.Tensor) -> None:
+        if logits.shape[1] != self.compiler.vocab_size:
+            raise ValueError(f"{logits.shape[1]} logits per row, but the grammars were compiled "
+                             f"for a vocabulary of {self.compiler.vocab_size}")
+
+    @property
+    def draws_first(self) -> bool:
+        """Whether some row of this step draws before its mask (`rejected` then has work)."""
+        return bool(self._drawn_first)
 
     def ended(self, plan: StepPlan, token_ids: np.ndarray) -> np.ndarray:
         """[B] bool: the sampled token ends its request's grammar (a stop token it allowed)."""
@@ -186,3 +220,10 @@ class GrammarTable:
             if state is not None and int(token_ids[i]) in state.stop_token_ids:
                 done[i] = True
         return done
+
+
+def _draws_first(params: SamplingParams) -> bool:
+    """Whether an unmasked draw that the grammar allows is the masked draw's token: greedy, or
+    sampled with no filter (a top-k, top-p or min-p set depends on which tokens are allowed)."""
+    return params.is_greedy or (params.top_k <= 0 and params.top_p >= 1.0
+                                and params.min_p <= 0.0)
