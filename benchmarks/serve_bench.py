@@ -13,7 +13,9 @@ in-process thread counts tried, and the best in-process figure is the baseline.
 
 On a shared machine the figures move with the other work, so each variant runs `--repeats`
 rounds, and on the CPU a round runs every load in-process and then through the server (both
-paths see the same minutes); the best figure of each path over the rounds is kept. On a GPU,
+paths see the same minutes); the best figure of each path over the rounds is kept, and beside
+the ratio of the bests the median over the rounds of each round's own ratio (a quiet minute
+that only one path met moves it less). On a GPU,
 which holds one engine's KV pool, the in-process rounds run first and free the GPU. Beside the wall-clock
 figures it reports what the load cost in CPU time per output token, per process of the server
 (the engine replica, the ingress, Serve's proxy, ...) and for the in-process engine: a figure
@@ -343,11 +345,13 @@ def main() -> None:
         vocab = _vocab(model_path)
         base: dict[int, Stats] = {}
 
-        def in_process_round() -> None:
+        def in_process_round() -> dict[int, Stats]:
             nonlocal base
             assert engine is not None
-            base = best_of(base, engine.run(args.streams, args.prompt_len, args.output_len,
-                                            args.threads, seeds))
+            this_round = engine.run(args.streams, args.prompt_len, args.output_len,
+                                    args.threads, seeds)
+            base = best_of(base, this_round)
+            return this_round
 
         if device == "cuda":  # a GPU holds one engine's KV pool: the in-process rounds first
             for r in range(args.repeats):
@@ -360,6 +364,8 @@ def main() -> None:
             gc.collect()
             torch.cuda.empty_cache()
         results: dict[str, dict[int, Stats]] = {}
+        # CPU: serve / in-process of each round (both paths in the same minutes)
+        paired: dict[str, dict[int, list[float]]] = {}
         try:
             for variant in variants:
                 print(f"raydix serve {args.serve_args} {variant}:", flush=True)
@@ -367,11 +373,13 @@ def main() -> None:
                 try:
                     for r in range(args.repeats):
                         print(f" round {r + 1}:", flush=True)
-                        if engine is not None:  # the CPU: both paths in the same minutes
-                            in_process_round()
-                        results[variant] = best_of(results.get(variant, {}), through_serve(
-                            proc, url, args.streams, args.prompt_len, args.output_len, vocab,
-                            seeds))
+                        in_round = in_process_round() if engine is not None else {}
+                        served = through_serve(proc, url, args.streams, args.prompt_len,
+                                               args.output_len, vocab, seeds)
+                        results[variant] = best_of(results.get(variant, {}), served)
+                        for n, stats in in_round.items():  # the CPU: the same minutes
+                            paired.setdefault(variant, {}).setdefault(n, []).append(
+                                served[n].throughput / stats.throughput)
                 finally:
                     stop_server(proc)
         finally:
@@ -379,24 +387,28 @@ def main() -> None:
                 engine.shutdown()
 
     print("\n| serve flags | streams | in-process tok/s | serve tok/s | ratio | "
-          "added TTFT | added time/token | longest gap | CPU ms/token in-process | "
-          "serve (largest) |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "ratio, median of rounds | added TTFT | added time/token | longest gap | "
+          "CPU ms/token in-process | serve (largest) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for variant, by_streams in results.items():
         for n, s in sorted(by_streams.items()):
             b = base[n]
             cpu = s.cpu_ms_per_token or {}
             total = sum(ms for role, ms in cpu.items() if not role.startswith("client"))
             top = ", ".join(f"{role} {ms:.2f}" for role, ms in list(cpu.items())[:3])
+            rounds = paired.get(variant, {}).get(n)
+            median = f"{float(np.median(rounds)):.2f}" if rounds else "-"
             print(f"| `{(args.serve_args + ' ' + variant).strip() or '(defaults)'}` | {n} | "
                   f"{b.throughput:.1f} | {s.throughput:.1f} | {s.throughput / b.throughput:.2f} | "
+                  f"{median} | "
                   f"{(s.ttft_s - b.ttft_s) * 1e3:+.1f} ms | {(s.tpot_s - b.tpot_s) * 1e3:+.2f} ms "
                   f"| {s.max_gap_s * 1e3:.0f} ms | {(b.cpu_ms_per_token or {}).get('in-process', 0):.2f} "
                   f"| {total:.2f} ({top}) |")
     if args.json:
         Path(args.json).write_text(json.dumps({
             "base": {n: s._asdict() for n, s in base.items()},
-            "serve": {v: {n: s._asdict() for n, s in r.items()} for v, r in results.items()}},
+            "serve": {v: {n: s._asdict() for n, s in r.items()} for v, r in results.items()},
+            "paired_ratios": paired},
             indent=2))
 
 

@@ -46,6 +46,7 @@ from .responses import (
     completion_response,
     completion_sse,
 )
+from .serve_env import local_handle
 from .structured import checked_grammar, requested_grammar
 from .tool_calls import ToolPlan, chat_messages, plan_tools
 from .tool_parsers import ToolParser, parser_for
@@ -104,8 +105,8 @@ class OpenAIIngress:
                  tool_call_parser: str = "auto") -> None:
         from transformers import AutoTokenizer
 
-        self.engine = engine
-        self.stats_board = stats_board
+        self.engine = local_handle(engine)
+        self.stats_board = local_handle(stats_board)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.tool_parser = parser_for(tool_call_parser, self.tokenizer.chat_template)
         self.model_name = model_name

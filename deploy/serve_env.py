@@ -24,12 +24,20 @@ one run on a loaded machine).
 
 The settings reach raydix's replicas through their runtime environment (on any cluster) and,
 for the local Ray that `raydix serve` starts, Serve's proxy and controller through the
-environment they inherit.
+environment they inherit. A handle handed to a replica was made, and pickled with its
+options, in the process that built the app (`raydix serve`, `serve run`, a test), where Serve
+read its transport default before these settings were set, or without them: it would send each
+chunk as a Ray object. So each replica makes its handles anew (`local_handle`).
 """
 
 from __future__ import annotations
 
 import os
+from typing import TypeVar, cast
+
+from ray.serve.handle import DeploymentHandle
+
+T = TypeVar("T")
 
 SERVE_SETTINGS = {
     "RAY_SERVE_USE_GRPC_BY_DEFAULT": "1",
@@ -52,3 +60,11 @@ def replica_runtime_env(user_code_on_main_loop: bool = False) -> dict[str, dict[
 def export_for_local_ray() -> None:
     """Put the settings in this process's environment, for the Ray it is about to start."""
     os.environ.update(serve_env())
+
+
+def local_handle(handle: DeploymentHandle[T]) -> DeploymentHandle[T]:
+    """The same deployment's handle with this process's Serve settings (see above); anything
+    else (a test's stand-in) as it is."""
+    if not isinstance(handle, DeploymentHandle):
+        return handle
+    return cast(DeploymentHandle[T], DeploymentHandle(handle.deployment_name, handle.app_name))

@@ -55,6 +55,7 @@ from .config import STARTUP_TIMEOUT_S
 from .cpu_threads import use_cpu_threads
 from .replica_facts import ReplicaFacts, StartupLog, replica_facts
 from .replica_stats import CacheAudit, ReplicaStats, read_stats, report_loop
+from .serve_env import local_handle
 
 if TYPE_CHECKING:
     from raydix.cluster.worker_actor import WorkerActor
@@ -194,7 +195,7 @@ class EngineServer:
             for r in engine.ranks())
         self._reporter: asyncio.Task[None] | None = None
         if stats_board is not None:
-            self._reporter = loop.create_task(report_loop(self.stats, stats_board))
+            self._reporter = loop.create_task(report_loop(self.stats, local_handle(stats_board)))
         self._router_reporter: asyncio.Task[None] | None = None
         self._kv_capacity = 0
         if routing is not None:
