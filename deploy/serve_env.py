@@ -8,7 +8,10 @@ processes (by value), and the handles' router runs on the replica's main event l
 with `benchmarks/serve_bench.py` (the tiny model on 2 cores, one run): the engine replica's CPU
 per output token at one stream fell from 5.9-6.7 ms to 4.3-4.9 ms (the in-process engine's:
 3.2-4.3 ms), the ingress's from 1.7-2.0 ms to 0.7-0.9 ms, and 64 streams went from 965-1120 to
-1455-1481 tokens/s. Each setting can be overridden by exporting it before `raydix serve`.
+1455-1481 tokens/s. Those runs came before `local_handle` (below): the ingress's handle to the
+engine still sent chunks as Ray objects, so that gain is the other settings' and the proxy's
+gRPC, not the engine stream's. Each setting can be overridden by exporting it before
+`raydix serve`.
 
 Serve's mode also runs a replica's code on its main event loop, and so does raydix in the
 ingress, the stats board, and an engine replica whose rank runs inside it (tp 1 without GPU
