@@ -146,7 +146,11 @@ def app_config(model: Path, **overrides: object) -> AppConfig:
         model=str(model), served_model_name=MODEL_NAME, device="cpu", use_gpu_bundles=True,
         tp=2, replicas=2, max_total_tokens=4096, max_running_requests=32,
         max_context_len=512, health_check_period_s=1.0, startup_timeout_s=120.0,
-        debug_cache_audit=True)
+        debug_cache_audit=True,
+        # the fault tests send streams that share a prefix to the replica holding it, then fail
+        # that replica: the threshold policy keeps them together where ttft would spread them
+        # by load (routing itself is tested in tests/router)
+        routing_policy="threshold")
     settings.update(overrides)
     return AppConfig(**settings)  # type: ignore[arg-type]
 
