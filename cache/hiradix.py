@@ -257,36 +257,18 @@ class HiRadixCache(RadixCache):
         return self._copies.drain()
 
     # ------------------------------------------------------------------------------ evict
-    def evict(self, num_tokens: int) -> SlotArray:
-        """Evict device leaves (LRU); those with a host copy stay in the tree, host only."""
-        if num_tokens < 0:
-            raise ValueError(f"cannot evict a negative number of tokens ({num_tokens})")
-        if num_tokens == 0 or not self._evictable_leaves:
-            return _EMPTY.copy()
-        heap = [(leaf.last_access, leaf.id, leaf) for leaf in self._evictable_leaves]
-        heapq.heapify(heap)
-        freed: list[SlotArray] = []
-        num_evicted = 0
-        while num_evicted < num_tokens and heap:
-            _, _, leaf = heapq.heappop(heap)
-            parent = leaf.parent
-            assert parent is not None
-            if leaf.host_value is None and self.write_policy == "write_back":
-                self.write_backup(leaf)
-            num = len(leaf.value)
-            if self._event_sink is not None:
-                self._emit(EventKind.EVICTED, *self._path_of(leaf), num)
-            self._evictable_leaves.discard(leaf)
-            self._evictable_size -= num
-            num_evicted += num
-            freed.append(leaf.value)
-            leaf.value = _EMPTY
-            if leaf.host_value is None:
-                self._drop(leaf)
-            if parent.parent is not None and not parent.lock_ref and self._is_leaf(parent):
-                self._evictable_leaves.add(parent)
-                heapq.heappush(heap, (parent.last_access, parent.id, parent))
-        return np.concatenate(freed) if freed else _EMPTY.copy()
+    def _evict_leaf(self, leaf: TreeNode) -> SlotArray:
+        """Device eviction (LRU, the radix cache's loop); a leaf with a host copy stays in the
+        tree, host only."""
+        if leaf.host_value is None and self.write_policy == "write_back":
+            self.write_backup(leaf)
+        slots = leaf.value
+        if self._event_sink is not None:
+            self._emit(EventKind.EVICTED, *self._path_of(leaf), len(slots))
+        leaf.value = _EMPTY
+        if leaf.host_value is None:
+            self._drop(leaf)
+        return slots
 
     def evict_host(self, num_tokens: int) -> int:
         """Drop least-recently-used host-only leaves until ``num_tokens`` host slots are free

@@ -248,19 +248,26 @@ class RadixCache(PrefixCache):
             _, _, leaf = heapq.heappop(heap)
             parent = leaf.parent
             assert parent is not None
-            if self._event_sink is not None:
-                self._emit(EventKind.EVICTED, *self._path_of(leaf), len(leaf.value))
-            del parent.children[leaf.key[: self._page_bytes]]
-            leaf.parent = None
-            leaf.detached = True
             self._evictable_leaves.discard(leaf)
-            self._evictable_size -= len(leaf.value)
-            num_evicted += len(leaf.value)
-            freed.append(leaf.value)
-            if not parent.children and parent.parent is not None and parent.lock_ref == 0:
+            slots = self._evict_leaf(leaf)
+            self._evictable_size -= len(slots)
+            num_evicted += len(slots)
+            freed.append(slots)
+            if parent.parent is not None and not parent.lock_ref and self._is_leaf(parent):
                 self._evictable_leaves.add(parent)
                 heapq.heappush(heap, (parent.last_access, parent.id, parent))
-        return np.concatenate(freed)
+        return np.concatenate(freed) if freed else _EMPTY.copy()
+
+    def _evict_leaf(self, leaf: TreeNode) -> SlotArray:
+        """Take an unlocked device leaf off the device; returns its slots. Here it leaves the
+        tree (the host tier keeps a node that has a host copy)."""
+        assert leaf.parent is not None
+        if self._event_sink is not None:
+            self._emit(EventKind.EVICTED, *self._path_of(leaf), len(leaf.value))
+        del leaf.parent.children[leaf.key[: self._page_bytes]]
+        leaf.parent = None
+        leaf.detached = True
+        return leaf.value
 
     def publish_snapshot(self) -> None:
         if self._event_sink is None:
