@@ -32,7 +32,8 @@ from .openai_schema import (
     Tool,
     ToolCall,
 )
-from .tool_parsers import ParsedCall, StreamingToolParser, ToolParser
+from .tool_parsers import ParsedCall, ToolParser
+from .tool_stream import StreamingToolParser
 
 _SEPARATORS = {"hermes": "\n", "llama3_json": "; "}
 TemplateTools = list[dict[Any, Any] | Callable[..., Any]]  # transformers' `tools` argument

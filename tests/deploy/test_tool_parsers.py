@@ -12,10 +12,10 @@ from raydix.deploy.tool_parsers import (
     Llama3JsonParser,
     MistralParser,
     ParsedCall,
-    StreamingToolParser,
     ToolParser,
     parser_for,
 )
+from raydix.deploy.tool_stream import StreamingToolParser
 
 CALLS = [ParsedCall("get_weather", '{"city": "Paris", "unit": "c"}'),
          ParsedCall("lookup", '{"q": "a <b> \\"c\\""}')]
