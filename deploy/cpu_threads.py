@@ -11,11 +11,9 @@ engine two; on smaller machines it was chosen by measurement (README, "Serving o
 
 from __future__ import annotations
 
-import contextlib
-import logging
 import os
 
-logger = logging.getLogger(__name__)
+from raydix.router.priority import take_normal_priority
 
 # cores <= 2: two threads were not faster than one through `raydix serve` on 2 cores (README,
 # "Serving speed"): the proxy, the ingress and Ray's own processes want the other core
@@ -37,23 +35,4 @@ def use_cpu_threads(num_threads: int) -> int:
     os.environ["OMP_NUM_THREADS"] = str(num_threads)  # for libraries that start later
     os.environ["MKL_NUM_THREADS"] = str(num_threads)
     torch.set_num_threads(num_threads)
-    return _normal_priority()
-
-
-def _normal_priority() -> int:
-    """Nice 0 for every thread of this process (Linux keeps a nice value per thread; threads
-    made later inherit their maker's). Without the right to raise priority, log it and stay."""
-    was = os.getpriority(os.PRIO_PROCESS, 0)
-    if was <= 0:
-        return was
-    tids = [os.getpid()]
-    with contextlib.suppress(OSError):
-        tids = [int(t) for t in os.listdir("/proc/self/task")]
-    try:
-        for tid in tids:
-            with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
-                os.setpriority(os.PRIO_PROCESS, tid, 0)
-    except PermissionError:
-        logger.warning("the engine replica runs at nice %d (Ray's worker_niceness) and may not "
-                       "raise its priority: Ray's processes compete with its threads", was)
-    return was
+    return take_normal_priority("the engine replica")

@@ -22,6 +22,7 @@ from ray.actor import ActorHandle
 from raydix.cache import CacheEvent
 
 from .policy import RoutingDecision, RoutingPolicyConfig
+from .priority import take_normal_priority
 from .state import MAX_APPROX_TOKENS, RouterState
 
 ROUTER_ACTOR_PREFIX = "raydix-router"
@@ -47,6 +48,7 @@ class RouterActor:
         exact: bool = True,
         max_approx_tokens: int = MAX_APPROX_TOKENS,
     ) -> None:
+        take_normal_priority("the router actor")  # every request waits on it (priority.py)
         self._settings: tuple[object, ...] = ()
         self.configure(page_size, policy, exact, max_approx_tokens)
 

@@ -42,6 +42,18 @@ def test_router_actor_routes_by_published_events(ray_local: None) -> None:
     ray.kill(router, no_restart=True)
 
 
+def test_router_actor_runs_at_normal_priority(ray_local: None) -> None:
+    """Ray starts its workers at nice 15; the router actor, on every request's path, takes
+    back nice 0 so busy engine replicas do not starve it."""
+    def nice(_: object = None) -> int:
+        return os.getpriority(os.PRIO_PROCESS, 0)
+
+    assert ray.get(ray.remote(nice).remote()) > 0  # a plain Ray worker
+    router = get_or_create_router("priority", page_size=1)
+    assert ray.get(router.__ray_call__.remote(nice)) == 0
+    ray.kill(router, no_restart=True)
+
+
 def test_reporter_feeds_events_and_load_to_the_router(ray_local: None) -> None:
     from raydix.router.reporter import LoadReport, ReplicaReporter
 
