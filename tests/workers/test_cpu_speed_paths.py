@@ -12,7 +12,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from raydix.workers.attention.torch_backend import split_by_length
+from raydix.workers.attention import torch_backend
+from raydix.workers.attention.torch_backend import (
+    TorchAttentionBackend,
+    pages_faster,
+    split_by_length,
+)
 from raydix.workers.config import WorkerConfig
 from raydix.workers.host_memory import keep_freed_memory
 from raydix.workers.layers import packed as packed_module
@@ -184,3 +189,45 @@ def test_split_decode_batch_equals_each_request_alone(tiny_models: dict[str, Tin
     for row, req in enumerate(decodes):
         alone = runner.forward(StepPlan.build(3 + row, [req]))
         torch.testing.assert_close(together[row: row + 1], alone, rtol=1e-5, atol=1e-5)
+
+
+def test_paged_kernel_runs_only_for_many_long_requests_and_equals_dense(
+        tiny_models: dict[str, TinyModel], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Four long requests decode through the compiled paged kernel, a lone one through the
+    dense copies; the kernel gives what the dense copies give for the same batch."""
+    assert pages_faster(4, 256) and not pages_faster(3, 4096) and not pages_faster(64, 255)
+    monkeypatch.setattr(torch_backend, "PAGED_MIN_LEN", 40)  # the tiny model's 256 positions
+    m = tiny_models["llama"]
+    runner = ModelRunner(WorkerConfig(str(m.folder), max_running_requests=8, max_context_len=256,
+                                      max_total_tokens=1024))
+    backend = runner.backend
+    assert isinstance(backend, TorchAttentionBackend)
+    kernel = backend.paged_kernel
+    if kernel is None:
+        pytest.skip("no C++ compiler: the paged kernel is not built")
+    compiled = kernel
+    calls: list[int] = []
+
+    def counted(*args: torch.Tensor) -> torch.Tensor:
+        calls.append(args[0].shape[0])
+        return compiled(*args)
+
+    rng = np.random.default_rng(1)
+    prompt_lens = [90, 95, 100, 98]  # close: one group, not split by length
+    slot = runner.kv_pool.config.page_size
+    extends = []
+    for row, n in enumerate(prompt_lens):
+        prompt = rng.integers(1, 250, size=n).tolist()
+        extends.append(ScheduledRequest(row, 0, prompt, list(range(slot, slot + n))))
+        slot += n
+    runner.forward(StepPlan.build(1, extends))
+    decodes = [ScheduledRequest(row, n, [3], [slot + row]) for row, n in enumerate(prompt_lens)]
+    backend.paged_kernel = counted
+    paged = runner.forward(StepPlan.build(2, decodes))
+    assert calls and set(calls) == {4}  # one call per layer, the whole batch
+    calls.clear()
+    runner.forward(StepPlan.build(3, decodes[:1]))
+    assert not calls  # one request: dense copies
+    backend.paged_kernel = None
+    dense = runner.forward(StepPlan.build(4, decodes))
+    torch.testing.assert_close(paged, dense, rtol=1e-5, atol=1e-5)
