@@ -7,10 +7,6 @@ answer within ``decision_timeout_s`` (or is gone), the least loaded of two rando
 the request, so routing never waits on the router. The chosen replica is offered first (and
 again, `HOLDER_TRIES` times in all, if it misses Serve's queue-length deadline), then the others,
 so a full replica never holds a request back. Serve keeps health checks, retries and autoscaling.
-
-The replica chosen for a request goes to that request (Serve's default matching), not to the
-oldest one waiting (``FIFOMixin``): with several requests routed at once, a decision made for
-one prompt must not send another prompt to a replica that holds nothing of it.
 """
 
 from __future__ import annotations
@@ -44,7 +40,7 @@ LOOKUP_RETRY_S = 1.0
 HOLDER_TRIES = 3
 
 
-class CacheAwareRequestRouter(RequestRouter):
+class CacheAwareRequestRouter(FIFOMixin, RequestRouter):
     def initialize_state(  # type: ignore[override]
         self, app_name: str | None = None, decision_timeout_s: float = 0.05
     ) -> None:

@@ -6,13 +6,7 @@ import asyncio
 
 import pytest
 import ray
-from ray.serve._private.common import (
-    DeploymentHandleSource,
-    DeploymentID,
-    ReplicaID,
-    RequestMetadata,
-)
-from ray.serve._private.request_router.common import PendingRequest
+from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID
 
 from raydix.router.serve_router import (
     HOLDER_TRIES,
@@ -110,24 +104,3 @@ def test_cache_aware_offers_the_chosen_replica_first_then_the_others(
     assert num_fallbacks == 0
     assert chosen == [["r1"]] * HOLDER_TRIES + [["r0", "r2"]]
     assert HOLDER_TRIES >= 2
-
-
-def test_cache_aware_gives_the_chosen_replica_to_the_request_it_was_chosen_for() -> None:
-    """Two requests wait; the newer one's decision comes first. Its replica must go to it, not
-    to the older request (whose prompt the replica may not hold)."""
-
-    async def run() -> tuple[bool, bool]:
-        router = CacheAwareRequestRouter(deployment_id=DEPLOYMENT,
-                                         handle_source=DeploymentHandleSource.UNKNOWN)
-        router.initialize_state()
-        older, newer = (PendingRequest(args=[[t, t + 1]], kwargs={},
-                                       metadata=RequestMetadata(rid, rid)) for t, rid in
-                        ((1, "older"), (7, "newer")))
-        for pending in (older, newer):
-            router._pending_requests_to_fulfill.append(pending)
-            router._add_pending_request_to_indices(pending)
-        holder = FakeReplica("r1")
-        router._fulfill_next_pending_request(holder, newer.metadata)  # type: ignore[arg-type]
-        return older.future.done(), newer.future.done() and newer.future.result() is holder
-
-    assert asyncio.run(run()) == (False, True)
