@@ -195,10 +195,8 @@ def test_paged_kernel_runs_only_for_many_long_requests_and_equals_dense(
         tiny_models: dict[str, TinyModel], monkeypatch: pytest.MonkeyPatch) -> None:
     """Four long requests decode through the compiled paged kernel, a lone one through the
     dense copies; the kernel gives what the dense copies give for the same batch."""
-    assert pages_faster(4, 512) and pages_faster(8, 256) and not pages_faster(4, 300)
-    assert not pages_faster(3, 4096) and not pages_faster(64, 255)
+    assert pages_faster(4, 256) and not pages_faster(3, 4096) and not pages_faster(64, 255)
     monkeypatch.setattr(torch_backend, "PAGED_MIN_LEN", 40)  # the tiny model's 256 positions
-    monkeypatch.setattr(torch_backend, "PAGED_MIN_KEYS", 4 * 40)
     m = tiny_models["llama"]
     runner = ModelRunner(WorkerConfig(str(m.folder), max_running_requests=8, max_context_len=256,
                                       max_total_tokens=1024))

@@ -187,18 +187,15 @@ class TorchAttentionBackend(AttentionBackend):
 
 # The compiled paged kernel against the dense copies, one thread, AVX2 (Zen 3), 3 KV heads of
 # 64, G = 3: 1 request x 150 keys 251 vs 199 us, 2 x 600 722 vs 431 us, 16 x 150 1157 vs
-# 710 us, but 4 x 600 2.6 vs 4.6 ms and 16 x 600 8.4 vs 18.5 ms; benchmarks/paged_decode_bench.py,
-# paged / dense: 4 x 300 1.52, 8 x 300 0.33, 2 x 600 1.90, 4 x 600 0.32. Small or short groups copy.
+# 710 us, but 4 x 600 2.6 vs 4.6 ms and 16 x 600 8.4 vs 18.5 ms. Small or short groups copy.
 PAGED_MIN_REQUESTS = 4
 PAGED_MIN_LEN = 256
-PAGED_MIN_KEYS = 2048  # requests x padded keys
 
 
 def pages_faster(num_req: int, max_len: int) -> bool:
     """Whether a decode group of `num_req` requests padded to `max_len` keys runs the paged
     kernel (faster with many long requests) rather than dense copies (faster otherwise)."""
-    return (num_req >= PAGED_MIN_REQUESTS and max_len >= PAGED_MIN_LEN
-            and num_req * max_len >= PAGED_MIN_KEYS)
+    return num_req >= PAGED_MIN_REQUESTS and max_len >= PAGED_MIN_LEN
 
 
 MIN_SPLIT_SAVING = 0.15  # split a decode batch in two when that gathers 15% fewer keys
