@@ -137,7 +137,11 @@ def _child(workload: str, threads: int, dtype: str) -> tuple[float, float]:
         from raydix.workers.runner import ModelRunner
         config = WorkerConfig(model_path=str(folder), dtype=dtype)
         if workload == "KV tokens (serve)":
-            from raydix.deploy.config import AppConfig, engine_config
+            from raydix.deploy.config import AppConfig
+            try:
+                from raydix.deploy.engine_settings import engine_config
+            except ImportError:  # a REV from before engine_settings left config.py
+                from raydix.deploy.config import engine_config  # type: ignore
             config = engine_config(AppConfig(dtype=dtype), str(folder), "cpu").rank_config(0)
         tokens = ModelRunner(config).max_num_tokens
         return tokens, tokens

@@ -38,7 +38,8 @@ import torch
 from engine_bench import Workload, mixed, run_engine, run_transformers, shared_prefix
 from worker_bench import BANDWIDTH_GBS, SYNTHETIC, decode_weight_bytes, synthetic_model
 
-from raydix.deploy.config import AppConfig, engine_config
+from raydix.deploy.config import AppConfig
+from raydix.deploy.engine_settings import engine_config
 from raydix.engine.engine import Engine
 from raydix.engine.request import GenerationParams
 from raydix.workers.gguf_convert import default_model_folder

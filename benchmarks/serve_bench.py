@@ -50,7 +50,8 @@ import httpx
 import numpy as np
 import torch
 
-from raydix.deploy.config import AppConfig, engine_config, resolve_model_path
+from raydix.deploy.config import AppConfig, resolve_model_path
+from raydix.deploy.engine_settings import engine_config
 from raydix.engine.engine import Engine
 from raydix.engine.request import GenerationParams
 

@@ -33,7 +33,7 @@ from typing import NamedTuple, TypeVar, cast
 
 from .engine import Engine
 from .metrics import EngineMetrics
-from .request import GenerationParams, RequestOutput
+from .request import GenerationParams, RequestOutput, merge_outputs
 
 logger = logging.getLogger(__name__)
 
@@ -278,18 +278,6 @@ class AsyncEngine:
         for loop, items in by_loop.items():
             with contextlib.suppress(RuntimeError):  # the caller's loop is closed: nobody waits
                 loop.call_soon_threadsafe(_put_all, items)
-
-
-def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:
-    """A request's outputs of consecutive steps as one: one message and one SSE event for the
-    chunk instead of one per step."""
-    if len(outputs) == 1:
-        return outputs[0]
-    return outputs[-1]._replace(
-        new_token_ids=tuple(t for out in outputs for t in out.new_token_ids),
-        text="".join(out.text for out in outputs),
-        logprobs=tuple(lp for out in outputs for lp in out.logprobs),
-        top_logprobs=tuple(top for out in outputs for top in out.top_logprobs))
 
 
 def _put_all(items: list[tuple[asyncio.Queue[_Item], _Item]]) -> None:

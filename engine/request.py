@@ -170,3 +170,15 @@ class Request:
 
     def usage(self) -> Usage:
         return Usage(len(self.prompt_ids), self.cached_tokens, len(self.output_ids))
+
+
+def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:
+    """A request's outputs of consecutive steps as one: one message and one SSE event for the
+    chunk instead of one per step."""
+    if len(outputs) == 1:
+        return outputs[0]
+    return outputs[-1]._replace(
+        new_token_ids=tuple(t for out in outputs for t in out.new_token_ids),
+        text="".join(out.text for out in outputs),
+        logprobs=tuple(lp for out in outputs for lp in out.logprobs),
+        top_logprobs=tuple(top for out in outputs for top in out.top_logprobs))

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from dataclasses import fields
 
-from raydix.deploy.config import AppConfig, engine_config
+from raydix.deploy.config import AppConfig
+from raydix.deploy.engine_settings import engine_config
 from raydix.deploy.server import ReplicaSettings
 from raydix.engine.config import SchedulerConfig
 from raydix.workers.config import WorkerConfig

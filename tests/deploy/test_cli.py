@@ -13,8 +13,9 @@ import openai
 import pytest
 
 from raydix.deploy.cli import build_parser, load_config, local_cpus_needed, main
-from raydix.deploy.config import AppConfig, engine_config
+from raydix.deploy.config import AppConfig
 from raydix.deploy.cpu_threads import default_cpu_threads
+from raydix.deploy.engine_settings import engine_config
 
 from .conftest import MODEL_NAME, free_port
 
@@ -38,7 +39,7 @@ def test_flags_become_the_config() -> None:
 def test_router_flags_pick_the_request_router() -> None:
     from raydix.deploy.app import request_router_options
     from raydix.deploy.cli import ConfigError
-    from raydix.deploy.config import routing_policy
+    from raydix.deploy.engine_settings import routing_policy
     from raydix.router.policy import RoutingPolicyConfig
     from raydix.router.serve_router import CacheAwareRequestRouter, RoundRobinRequestRouter
 

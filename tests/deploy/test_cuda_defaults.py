@@ -11,7 +11,8 @@ from pydantic import ValidationError
 
 from raydix.deploy.app import check_attention_backend
 from raydix.deploy.cli import ConfigError, build_parser, load_config
-from raydix.deploy.config import AppConfig, engine_config
+from raydix.deploy.config import AppConfig
+from raydix.deploy.engine_settings import engine_config
 from raydix.workers import attention
 from raydix.workers.config import WorkerConfig
 

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from raydix.deploy.config import AppConfig, describe_error, engine_config
+from raydix.deploy.config import AppConfig, describe_error
+from raydix.deploy.engine_settings import engine_config
 from raydix.deploy.metrics import render_engine
 from raydix.deploy.server import ReplicaStats
 from raydix.engine.metrics import EngineMetrics
@@ -58,7 +59,7 @@ def test_host_tier_series_in_metrics() -> None:
 
 
 def test_the_router_weight_of_a_host_hit_is_a_setting() -> None:
-    from raydix.deploy.config import routing_policy
+    from raydix.deploy.engine_settings import routing_policy
 
     policy = routing_policy(AppConfig(host_hit_weight=0.25))
     assert policy is not None and policy.host_hit_weight == 0.25

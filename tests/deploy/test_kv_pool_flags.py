@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from raydix.deploy.cli import build_parser, load_config
-from raydix.deploy.config import AppConfig, engine_config
+from raydix.deploy.config import AppConfig
+from raydix.deploy.engine_settings import engine_config
 
 
 def test_double_sparse_flags_reach_the_worker(model_folder: str, tmp_path: Path) -> None:

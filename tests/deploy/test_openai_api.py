@@ -10,7 +10,8 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from raydix.deploy.config import AppConfig, engine_config
+from raydix.deploy.config import AppConfig
+from raydix.deploy.engine_settings import engine_config
 from raydix.engine.engine import Engine
 from raydix.engine.request import GenerationParams
 from raydix.workers.step import SamplingParams

@@ -7,8 +7,14 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from raydix.engine.async_engine import AsyncEngine, merge_outputs
-from raydix.engine.request import FinishReason, GenerationParams, RequestOutput, Usage
+from raydix.engine.async_engine import AsyncEngine
+from raydix.engine.request import (
+    FinishReason,
+    GenerationParams,
+    RequestOutput,
+    Usage,
+    merge_outputs,
+)
 
 from .test_async_engine import PROMPTS, make_engine
 

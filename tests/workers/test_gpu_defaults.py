@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from raydix.deploy.config import AppConfig, engine_config
+from raydix.deploy.config import AppConfig
+from raydix.deploy.engine_settings import engine_config
 from raydix.engine.engine import Engine
 from raydix.engine.request import GenerationParams
 from raydix.workers.runner import ModelRunner
