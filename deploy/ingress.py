@@ -21,7 +21,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from raydix.engine.request import GenerationParams
-from raydix.workers.step import GrammarSpec, SamplingParams
+from raydix.workers.step import GrammarSpec
 
 if TYPE_CHECKING:
     from .server import EngineServer
@@ -38,6 +38,7 @@ from .openai_schema import (
     ModelCard,
     ModelList,
 )
+from .request_params import RequestLimits, generation_params, token_ids
 from .responses import (
     ResponseHead,
     chat_response,
@@ -116,7 +117,7 @@ class OpenAIIngress:
         self.created = int(time.time())
         self.metrics = IngressMetrics()
         self.cache_aware_router = cache_aware_router
-        self.schedule_policy = schedule_policy
+        self.limits = RequestLimits(max_context_len, schedule_policy, len(self.tokenizer))
 
     # ------------------------------------------------------------------------ endpoints
     @app.get("/health")
@@ -227,69 +228,13 @@ class OpenAIIngress:
                 prompts: list[list[int]], max_tokens: int, fields: tuple[str, str],
                 logprobs: bool, top_logprobs: int,
                 grammar: GrammarSpec | None = None) -> GenerationParams:
-        """Check the context limit (`fields`: the names of the prompt and of the output
-        limit, for the error) and build the engine's parameters."""
-        prompt_field, limit_field = fields
-        longest = max(len(p) for p in prompts)
-        if longest >= self.max_context_len:
-            raise bad_request(f"the prompt has {longest} tokens; this model's maximum context "
-                              f"length is {self.max_context_len} tokens", prompt_field,
-                              code="context_length_exceeded")
-        if longest + max_tokens > self.max_context_len:
-            raise bad_request(
-                f"this model's maximum context length is {self.max_context_len} tokens, but "
-                f"{longest + max_tokens} were requested ({longest} in the prompt, {max_tokens} "
-                f"for the output); lower {limit_field}", limit_field,
-                code="context_length_exceeded")
-        if body.min_tokens > max_tokens:
-            raise bad_request(f"min_tokens ({body.min_tokens}) is more than {limit_field} "
-                              f"({max_tokens})", "min_tokens")
-        if grammar is not None and body.min_tokens:
-            raise bad_request("min_tokens can't be combined with a constrained output: the "
-                              "grammar decides where the output ends", "min_tokens")
-        if body.priority and self.schedule_policy != "priority":
-            raise bad_request(f"priority is used only under the priority schedule policy; this "
-                              f"server schedules by {self.schedule_policy!r} "
-                              "(start it with --schedule-policy priority)", "priority")
-        stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-        if any(not s for s in stop):
-            raise bad_request("stop strings must not be empty", "stop")
-        sampling = SamplingParams(logit_bias=self._logit_bias(body.logit_bias),
-                                  stop_token_ids=self._token_ids(body.stop_token_ids or [],
-                                                                 "stop_token_ids"),
-                                  temperature=body.temperature, top_k=body.top_k,
-                                  top_p=body.top_p, min_p=body.min_p, seed=body.seed,
-                                  return_logprob=logprobs, top_logprobs=top_logprobs,
-                                  frequency_penalty=body.frequency_penalty,
-                                  presence_penalty=body.presence_penalty,
-                                  repetition_penalty=body.repetition_penalty,
-                                  grammar=grammar)
-        return GenerationParams(sampling=sampling, max_new_tokens=max_tokens,
-                                min_new_tokens=body.min_tokens,
-                                stop_strings=tuple(stop), ignore_eos=body.ignore_eos,
-                                priority=body.priority, extra_key=body.cache_salt)
+        return generation_params(body, prompts, max_tokens, fields, logprobs, top_logprobs,
+                                 grammar, self.limits)
 
     async def _grammar(self, body: CompletionRequest | ChatCompletionRequest
                        ) -> GrammarSpec | None:
         asked = requested_grammar(body)
         return None if asked is None else await checked_grammar(*asked)
-
-    def _token_ids(self, ids: list[int], field: str) -> tuple[int, ...]:
-        vocab = len(self.tokenizer)
-        if any(not 0 <= t < vocab for t in ids):
-            raise bad_request(f"{field} must be token ids in [0, {vocab})", field)
-        return tuple(ids)
-
-    def _logit_bias(self, bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
-        if not bias:
-            return ()
-        try:
-            ids = [int(k) for k in bias]
-        except ValueError:
-            raise bad_request("logit_bias keys must be token ids", "logit_bias") from None
-        if any(not -100.0 <= v <= 100.0 for v in bias.values()):
-            raise bad_request("logit_bias values must be in [-100, 100]", "logit_bias")
-        return tuple(zip(self._token_ids(ids, "logit_bias"), bias.values(), strict=True))
 
     def _completion_prompts(self, prompt: str | list[str] | list[int]) -> list[list[int]]:
         if isinstance(prompt, str):
@@ -297,7 +242,7 @@ class OpenAIIngress:
         if not prompt:
             raise bad_request("the prompt is empty", "prompt")
         if isinstance(prompt[0], int):
-            return [list(self._token_ids([int(t) for t in prompt], "prompt"))]
+            return [list(token_ids([int(t) for t in prompt], "prompt", self.limits.vocab_size))]
         prompts = [self.tokenizer.encode(str(p)) for p in prompt]
         if any(not p for p in prompts):
             raise bad_request("the prompt is empty", "prompt")

@@ -3,41 +3,19 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 from pydantic import ValidationError
 
 from raydix.deploy.errors import ApiError
-from raydix.deploy.ingress import OpenAIIngress
 from raydix.deploy.openai_schema import CompletionRequest
+from raydix.deploy.request_params import RequestLimits, generation_params
 from raydix.engine.request import GenerationParams
-
-
-class _Vocab:
-    def __len__(self) -> int:
-        return 100
-
-
-# the class as written, under Serve's ASGI wrapper (whose instances expect a Serve replica)
-_PLAIN_INGRESS = OpenAIIngress.__mro__[1]
-
-
-def _ingress(schedule_policy: str) -> Any:
-    assert _PLAIN_INGRESS.__name__ == "OpenAIIngress"
-    ingress = object.__new__(_PLAIN_INGRESS)
-    ingress.max_context_len = 64
-    ingress.schedule_policy = schedule_policy
-    ingress.tokenizer = _Vocab()
-    return ingress
 
 
 def _params(schedule_policy: str, **body: object) -> GenerationParams:
     request = CompletionRequest(model="m", prompt=[1, 2, 3], **body)  # type: ignore[arg-type]
-    params = _ingress(schedule_policy)._params(request, [[1, 2, 3]], 4,
-                                               ("prompt", "max_tokens"), False, 0)
-    assert isinstance(params, GenerationParams)
-    return params
+    return generation_params(request, [[1, 2, 3]], 4, ("prompt", "max_tokens"), False, 0,
+                             None, RequestLimits(64, schedule_policy, 100))
 
 
 def test_priority_reaches_the_engine_under_the_priority_policy() -> None:
