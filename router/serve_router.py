@@ -7,6 +7,7 @@ answer within ``decision_timeout_s`` (or is gone), the least loaded of two rando
 the request, so routing never waits on the router. The chosen replica is offered first (and
 again, `HOLDER_TRIES` times in all, if it misses Serve's queue-length deadline), then the others,
 so a full replica never holds a request back. Serve keeps health checks, retries and autoscaling.
+The replica chosen for a request goes to that request (`request_matching.py`).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from ray.serve.request_router import (
 
 from .actor import RouterActor, get_router
 from .policy import RoutingDecision
+from .request_matching import OwnRequestRouter
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +42,7 @@ LOOKUP_RETRY_S = 1.0
 HOLDER_TRIES = 3
 
 
-class CacheAwareRequestRouter(FIFOMixin, RequestRouter):
+class CacheAwareRequestRouter(OwnRequestRouter):
     def initialize_state(  # type: ignore[override]
         self, app_name: str | None = None, decision_timeout_s: float = 0.05
     ) -> None:

@@ -1,4 +1,5 @@
-"""Serve request routers on fake replicas: the round-robin order and the cache-aware fallback."""
+"""Serve request routers on fake replicas: the round-robin order, the cache-aware fallback, and
+which request gets the replica chosen for it."""
 
 from __future__ import annotations
 
@@ -6,7 +7,13 @@ import asyncio
 
 import pytest
 import ray
-from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID
+from ray.serve._private.common import (
+    DeploymentHandleSource,
+    DeploymentID,
+    ReplicaID,
+    RequestMetadata,
+)
+from ray.serve.request_router import PendingRequest
 
 from raydix.router.serve_router import (
     HOLDER_TRIES,
@@ -104,3 +111,67 @@ def test_cache_aware_offers_the_chosen_replica_first_then_the_others(
     assert num_fallbacks == 0
     assert chosen == [["r1"]] * HOLDER_TRIES + [["r0", "r2"]]
     assert HOLDER_TRIES >= 2
+
+
+class QueuedReplica(FakeReplica):
+    """A replica that answers Serve's queue-length probe: empty."""
+
+    max_ongoing_requests = 8
+
+    async def get_queue_len(self, *, deadline_s: float) -> int:
+        return 0
+
+
+class PrefixActor:
+    """A router actor that sends prompt [1, ...] to r1, answering after 0.2 s, and prompt
+    [7, ...] to r2 at once: the newer request is decided while the older one waits."""
+
+    class Decision:
+        def __init__(self, replica: str) -> None:
+            self.replica = replica
+
+    class Route:
+        def remote(self, prompt: object, extra_key: object, candidates: object) -> object:
+            first = int(prompt[0])  # type: ignore[index]
+
+            async def decide() -> PrefixActor.Decision:
+                await asyncio.sleep(0.2 if first == 1 else 0.0)
+                return PrefixActor.Decision({1: "r1", 7: "r2"}[first])
+
+            return decide()
+
+    class SetReplicas:
+        def remote(self, names: object) -> None:
+            return None
+
+    route = Route()
+    set_replicas = SetReplicas()
+
+
+@pytest.mark.parametrize("same_api_request", [False, True])
+def test_cache_aware_gives_each_request_the_replica_chosen_for_it(
+    monkeypatch: pytest.MonkeyPatch, same_api_request: bool,
+) -> None:
+    """Two requests wait at once, through Serve's own routing loop; the newer one is decided
+    first. Each must reach the replica chosen for its own prompt: not the oldest request
+    (FIFOMixin gave r2 to both), and not when both are calls of one API request (n=2), which
+    share Serve's internal request id (Serve's default matching gave the newer call's replica
+    to the older one and left the newer one waiting for ever)."""
+    monkeypatch.setattr(ray, "get_actor", lambda name, namespace=None: PrefixActor())
+
+    async def run() -> tuple[list[str], int]:
+        router = CacheAwareRequestRouter(deployment_id=DEPLOYMENT,
+                                         handle_source=DeploymentHandleSource.UNKNOWN)
+        router.initialize_state(decision_timeout_s=5.0)
+        router.update_replicas([QueuedReplica(u) for u in ("r0", "r1", "r2")])  # type: ignore[list-item]
+        older, newer = (
+            PendingRequest(args=[prompt, None], kwargs={},
+                           metadata=RequestMetadata(f"call-{prompt[0]}", api_id))
+            for prompt, api_id in (([1, 2, 3], "api-1"),
+                                   ([7, 8, 9], "api-1" if same_api_request else "api-2")))
+        routed = await asyncio.wait_for(asyncio.gather(
+            router._choose_replica_for_request(older),
+            router._choose_replica_for_request(newer)), timeout=5.0)
+        return [r.replica_id.unique_id for r in routed], len(router._pending_by_metadata)
+
+    assert asyncio.run(run()) == (["r1", "r2"], 0)
