@@ -15,9 +15,10 @@ import os
 
 from raydix.router.priority import take_normal_priority
 
-# cores <= 2: two threads were not faster than one through `raydix serve` on 2 cores (README,
-# "Serving speed"): the proxy, the ingress and Ray's own processes want the other core
-THREADS_ON_SMALL_MACHINES = 1
+# cores <= 2: through `raydix serve` on 2 cores (AMD EPYC Zen 3), two threads made 1.18-1.24x
+# the tokens/s of one at 64 streams and the same at one stream (README, "Serving speed"): the
+# engine at nice 0 keeps both cores while Ray's processes, at nice 15, take what it leaves
+THREADS_ON_SMALL_MACHINES = 2
 
 
 def default_cpu_threads(num_cores: int) -> int:
