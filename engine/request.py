@@ -181,4 +181,6 @@ def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:
         new_token_ids=tuple(t for out in outputs for t in out.new_token_ids),
         text="".join(out.text for out in outputs),
         logprobs=tuple(lp for out in outputs for lp in out.logprobs),
-        top_logprobs=tuple(top for out in outputs for top in out.top_logprobs))
+        top_logprobs=tuple(top for out in outputs for top in out.top_logprobs),
+        token_texts=tuple(t for out in outputs for t in out.token_texts),
+        top_token_texts=tuple(top for out in outputs for top in out.top_token_texts))

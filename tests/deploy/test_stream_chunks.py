@@ -82,12 +82,16 @@ def test_one_wake_up_per_step_for_all_streams(tiny_llama: Path) -> None:
 
 def test_merged_outputs_keep_every_token_in_order() -> None:
     usage = [Usage(5, 0, i) for i in (1, 2, 4)]
-    steps = [RequestOutput("r", (7,), "a", None, usage[0], (-0.5,), (((7, -0.5),),)),
-             RequestOutput("r", (8,), "", None, usage[1], (-0.25,), (((8, -0.25),),)),
+    steps = [RequestOutput("r", (7,), "a", None, usage[0], (-0.5,), (((7, -0.5),),),
+                           ("a",), (("a",),)),
+             RequestOutput("r", (8,), "", None, usage[1], (-0.25,), (((8, -0.25),),),
+                           ("",), (("",),)),
              RequestOutput("r", (9, 10), "bc", FinishReason.LENGTH, usage[2], (-1.0, -2.0),
-                           (((9, -1.0),), ((10, -2.0),)))]
+                           (((9, -1.0),), ((10, -2.0),)), ("b", "c"), (("b",), ("c",)))]
     merged = merge_outputs(steps)
+    # with logprobs, each token's own text too: the responses pair them with the logprobs
     assert merged == RequestOutput("r", (7, 8, 9, 10), "abc", FinishReason.LENGTH, usage[2],
                                    (-0.5, -0.25, -1.0, -2.0),
-                                   (((7, -0.5),), ((8, -0.25),), ((9, -1.0),), ((10, -2.0),)))
+                                   (((7, -0.5),), ((8, -0.25),), ((9, -1.0),), ((10, -2.0),)),
+                                   ("a", "", "b", "c"), (("a",), ("",), ("b",), ("c",)))
     assert merge_outputs(steps[:1]) is steps[0]
