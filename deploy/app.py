@@ -95,6 +95,7 @@ def bind_app(config: AppConfig, engine_factory: EngineFactory = build_engine) ->
     ).bind()
     settings = ReplicaSettings(use_gpu_bundles=use_gpu,
                                max_waiting_requests=config.max_waiting_requests,
+                               stream_interval=config.stream_interval,
                                startup_timeout_s=config.startup_timeout_s,
                                router_events=config.router_mode == "exact",
                                router_approx_tokens=config.router_approx_tokens,

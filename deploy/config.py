@@ -133,6 +133,8 @@ class AppConfig(BaseModel):
     max_context_len: int | None = Field(
         None, ge=2, description="prompt + output tokens; default: the model's limit, at most 8192"
     )
+    stream_interval: int = Field(1, ge=1, description="a stream's tokens go out every N tokens (the "
+                                 "first and the last at once): fewer messages per token")
     chunked_prefill_size: int | None = Field(
         None, ge=1, description="prompt chunk per step; default: 2048 on CUDA, 512 on CPU"
     )

@@ -27,7 +27,7 @@ import grpc  # type: ignore[import-untyped]
 from ray.exceptions import RayActorError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
-from raydix.engine.async_engine import EngineDeadError, EngineOverloadedError
+from raydix.engine.engine_errors import EngineDeadError, EngineOverloadedError
 from raydix.engine.request import GenerationParams, RequestOutput
 
 from .errors import ApiError, bad_request, engine_unavailable, overloaded

@@ -75,6 +75,7 @@ class ReplicaSettings:
 
     use_gpu_bundles: bool = False  # ranks sit in GPU bundles (else CPU / in-process)
     max_waiting_requests: int = MAX_WAITING_REQUESTS  # admission bound beyond the running requests
+    stream_interval: int = 1  # a stream's tokens go out every this many (first and last at once)
     startup_timeout_s: float = STARTUP_TIMEOUT_S  # bound on starting the ranks
     router_events: bool = True  # cache_aware: send the cache's events (exact mode)
     router_approx_tokens: int = MAX_APPROX_TOKENS  # cache_aware without events: the tree's cap
@@ -188,7 +189,7 @@ class EngineServer:
             loop.call_soon_threadsafe(self._leave, f"its engine stopped: {error!r}")
 
         self.engine = AsyncEngine(engine, max_waiting_requests=settings.max_waiting_requests,
-                                  on_error=engine_failed)
+                                  on_error=engine_failed, stream_interval=settings.stream_interval)
         self.node_id = _node_id()
         self.ranks_info = tuple(
             RankInfo(self.replica_id, r.tp_rank, r.node_id or self.node_id, r.worker)
