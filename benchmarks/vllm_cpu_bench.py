@@ -32,7 +32,7 @@ from typing import Any
 
 import httpx
 import numpy as np
-from serve_bench import _free_port, process_tree_cpu, start_server, stop_server
+from serve_bench import _free_port, cpu_per_token, process_tree_cpu, start_server, stop_server
 
 from raydix.deploy.config import AppConfig, resolve_model_path
 
@@ -185,12 +185,6 @@ def start(system: str, model_path: str, args: argparse.Namespace,
                                      "--max-total-tokens", str(slots)], log)
 
 
-def cpu_seconds(before: dict[int, tuple[str, int]], after: dict[int, tuple[str, int]]) -> float:
-    """CPU seconds the processes alive at both ends spent in between."""
-    ticks = sum(t - before[pid][1] for pid, (_, t) in after.items() if pid in before)
-    return ticks / os.sysconf("SC_CLK_TCK")
-
-
 def run_system(system: str, model_path: str, args: argparse.Namespace, work: list[Workload],
                warm: list[Workload], log_prefix: Path) -> dict[str, float]:
     t0 = time.perf_counter()
@@ -205,9 +199,12 @@ def run_system(system: str, model_path: str, args: argparse.Namespace, work: lis
             out[w.name] = drive(url, w)
             unit = "s" if w.metric == "ttft" else "tok/s"
             print(f"  {system:6s} {w.name}: {out[w.name]:.2f} {unit}", flush=True)
-        out["server CPU seconds"] = cpu_seconds(before, process_tree_cpu(proc.pid))
-        print(f"  {system:6s} server CPU seconds: {out['server CPU seconds']:.1f}, "
-              f"load {_load()}", flush=True)
+        # CPU seconds by process role (ms per 1,000 tokens), of the processes alive at both ends
+        by_role = cpu_per_token(before, process_tree_cpu(proc.pid), 1000)
+        out["server CPU seconds"] = sum(by_role.values())
+        print(f"  {system:6s} server CPU seconds: {out['server CPU seconds']:.1f} ("
+              + ", ".join(f"{role} {sec:.1f}" for role, sec in list(by_role.items())[:5])
+              + f"), load {_load()}", flush=True)
     finally:
         stop_server(proc)
     return out
