@@ -5,10 +5,12 @@ Pure Python and numpy: no torch, no ray. The physical K/V tensors live in ``rayd
 
 from .allocator import PagedSlotAllocator
 from .base import CachedPrefix, MatchResult, PrefixCache, PrefixHandle, SizeInfo
+from .config import CacheConfig
 from .events import CacheEvent, EventBuffer, EventKind, EventSink
-from .hiradix import DEFAULT_WRITE_POLICY, WRITE_POLICIES, HiRadixCache
+from .hiradix import HiRadixCache
+from .host_tier import DEFAULT_WRITE_POLICY, WRITE_POLICIES
 from .kv_copies import KVCopies
-from .manager import CacheConfig, KVCacheManager
+from .manager import KVCacheManager
 from .naive import NoPrefixCache
 from .radix import RadixCache
 from .req_table import ReqToTokenPool, RowWrite, TableDiff

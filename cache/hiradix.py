@@ -27,7 +27,6 @@ it. A host slot feeding a pending load must not take a later write: the nodes be
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Hashable, Iterable
 
 import numpy as np
@@ -36,14 +35,21 @@ import numpy.typing as npt
 from .allocator import PagedSlotAllocator
 from .base import MatchResult, PrefixHandle, TokenArray
 from .events import EventKind, EventSink
+from .eviction import evict_lru
 from .hiradix_audit import check_host_tier
+from .host_tier import (
+    DEFAULT_WRITE_POLICY,
+    hits_to_write,
+    host_evictable,
+    host_only_path,
+    split_tiers,
+)
 from .kv_copies import CopyQueue, KVCopies
 from .radix import RadixCache
 from .req_table import SlotArray
-from .tree_node import TreeNode, as_token_array
+from .tree_node import TreeNode, as_token_array, checked_entry, detach
+from .tree_paths import path_nodes
 
-WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
-DEFAULT_WRITE_POLICY = "write_through_selective"
 _ITEM = 4
 _EMPTY = np.zeros(0, dtype=np.int32)
 
@@ -60,13 +66,8 @@ class HiRadixCache(RadixCache):
         write_policy: str = DEFAULT_WRITE_POLICY,
         write_through_threshold: int = 2,
     ) -> None:
-        if write_policy not in WRITE_POLICIES:
-            raise ValueError(f"write_policy must be one of {WRITE_POLICIES}, got {write_policy!r}")
-        if write_through_threshold < 1:
-            raise ValueError(f"write_through_threshold must be >= 1, got {write_through_threshold}")
+        self.write_through_threshold = hits_to_write(write_policy, write_through_threshold)
         self.write_policy = write_policy
-        self.write_through_threshold = 1 if write_policy == "write_through" else (
-            write_through_threshold)
         self.host_allocator = PagedSlotAllocator(num_host_pages, page_size)
         self.num_loaded_tokens = 0  # host->device, since start
         self.num_written_tokens = 0  # device->host, since start
@@ -98,22 +99,13 @@ class HiRadixCache(RadixCache):
         if root is None:
             return MatchResult(_EMPTY, PrefixHandle(0, self._root(extra_key)))
         node, matched, values = self._walk(root, key, collect=True)
-        device_node = node
-        while len(device_node.value) == 0 and device_node.parent is not None:
-            device_node = device_node.parent
-        device_values = [v for v in values if len(v)]
-        slots = np.concatenate(device_values) if device_values else _EMPTY
-        host_len = matched - len(slots)
+        slots, device_node, host_len = split_tiers(node, matched, values)
         return MatchResult(
             slots, PrefixHandle(len(slots), device_node, host_len, node if host_len else None)
         )
 
     def _split(self, child: TreeNode, split_len: int) -> TreeNode:
-        upper = super()._split(child, split_len)
-        upper.hit_count = child.hit_count
-        if child.host_value is not None:
-            upper.host_value = child.host_value[:split_len]
-            child.host_value = child.host_value[split_len:]
+        upper = super()._split(child, split_len)  # both tiers' slots split at the same point
         if child.loading:
             self._copies.hold(upper)
         return upper
@@ -135,14 +127,14 @@ class HiRadixCache(RadixCache):
     ) -> int:
         """As the radix cache's; nodes on the host only take their slots back from ``slots``
         (they are past the returned length, so the cache owns them)."""
-        key, values = self._checked_insert(token_ids, slots)
+        key, values = checked_entry(token_ids, slots, self.page_size, self.max_context_len)
         if len(key) == 0:
             return 0
         node, matched, _ = self._walk(self._root(extra_key), key, collect=False)
         present = pos = 0
         changed: list[TreeNode] = []
         hit: list[TreeNode] = []
-        for n in self._path_nodes(node, None):
+        for n in path_nodes(node, None):
             num = len(n.key) // _ITEM
             if len(n.value):
                 present = pos + num
@@ -170,14 +162,6 @@ class HiRadixCache(RadixCache):
             self._note_hit(n)
         return present
 
-    def _path_nodes(self, node: TreeNode, stop: TreeNode | None) -> list[TreeNode]:
-        """Nodes from below ``stop`` (default: the root) down to ``node``, top first."""
-        path = []
-        while node.parent is not None and node is not stop:
-            path.append(node)
-            node = node.parent
-        return path[::-1]
-
     # ---------------------------------------------------------------------- host copies
     def _note_hit(self, node: TreeNode) -> None:
         if self.write_policy == "write_back" or node.host_value is not None:
@@ -197,8 +181,7 @@ class HiRadixCache(RadixCache):
         self._host_size += num
         self._copies.write(node.value, host)
         self.num_written_tokens += num
-        if self._event_sink is not None:
-            self._emit(EventKind.HOST_INSERTED, *self._path_of(node), num)
+        self._emit_path(EventKind.HOST_INSERTED, node, num)
         return True
 
     def _alloc_host(self, num_tokens: int) -> SlotArray | None:
@@ -212,13 +195,8 @@ class HiRadixCache(RadixCache):
     def hold_host_path(self, handle: PrefixHandle) -> bool:
         """Mark the handle's host-only path as being loaded, so that host eviction keeps it
         while the manager finds device slots for it. False when the path is gone."""
-        node = handle.host_node
-        if not handle.host_len or not isinstance(node, TreeNode) or node.detached:
-            return False
-        path = self._path_nodes(node, handle.node)  # type: ignore[arg-type]
-        if not path or path[0].parent is not handle.node or any(len(n.value) for n in path):
-            return False
-        if sum(len(n.key) for n in path) // _ITEM != handle.host_len:
+        path = host_only_path(handle)
+        if path is None:
             return False
         for n in path:
             self._copies.hold(n)
@@ -231,7 +209,7 @@ class HiRadixCache(RadixCache):
             raise RuntimeError(f"{handle} must be locked before its host path is loaded")
         node = handle.host_node
         assert isinstance(node, TreeNode) and isinstance(handle.node, TreeNode)
-        path = self._path_nodes(node, handle.node)
+        path = path_nodes(node, handle.node)
         if len(slots) != handle.host_len or not all(n.loading for n in path):
             raise RuntimeError(f"{handle}: {len(slots)} slots for a held host path of "
                                f"{handle.host_len} tokens")
@@ -246,8 +224,7 @@ class HiRadixCache(RadixCache):
             pos += num
         self._refresh_leaf(handle.node)
         self.num_loaded_tokens += pos
-        if self._event_sink is not None:
-            self._emit(EventKind.INSERTED, *self._path_of(node), pos)
+        self._emit_path(EventKind.INSERTED, node, pos)
         handle.node, handle.host_node = node, None
         handle.cached_len += pos
         handle.host_len = 0
@@ -263,8 +240,7 @@ class HiRadixCache(RadixCache):
         if leaf.host_value is None and self.write_policy == "write_back":
             self.write_backup(leaf)
         slots = leaf.value
-        if self._event_sink is not None:
-            self._emit(EventKind.EVICTED, *self._path_of(leaf), len(slots))
+        self._emit_path(EventKind.EVICTED, leaf, len(slots))
         leaf.value = _EMPTY
         if leaf.host_value is None:
             self._drop(leaf)
@@ -273,22 +249,8 @@ class HiRadixCache(RadixCache):
     def evict_host(self, num_tokens: int) -> int:
         """Drop least-recently-used host-only leaves until ``num_tokens`` host slots are free
         (or nothing more can go); returns the tokens dropped."""
-        heap = [(n.last_access, n.id, n) for n in self.iter_nodes() if self._host_evictable(n)]
-        heapq.heapify(heap)
-        num_evicted = 0
-        while num_evicted < num_tokens and heap:
-            _, _, node = heapq.heappop(heap)
-            parent = node.parent
-            assert parent is not None
-            num_evicted += self._drop(node)
-            if self._host_evictable(parent):
-                heapq.heappush(heap, (parent.last_access, parent.id, parent))
-        return num_evicted
-
-    @staticmethod
-    def _host_evictable(node: TreeNode) -> bool:
-        return (node.parent is not None and not len(node.value) and not node.children
-                and not node.loading)
+        leaves = {node for node in self.iter_nodes() if host_evictable(node)}
+        return evict_lru(leaves, num_tokens, self._drop, host_evictable)
 
     def _drop(self, node: TreeNode) -> int:
         """Take a node off the device already, and its host-only subtree, out of the tree;
@@ -300,17 +262,12 @@ class HiRadixCache(RadixCache):
             raise RuntimeError(f"{node} is being loaded and cannot leave the tree")
         if node.host_value is not None:
             num = len(node.host_value)
-            if self._event_sink is not None:
-                self._emit(EventKind.HOST_EVICTED, *self._path_of(node), num)
+            self._emit_path(EventKind.HOST_EVICTED, node, num)
             self.host_allocator.free_pages_of(node.host_value[:: self.page_size] // self.page_size)
             self._host_size -= num
             freed += num
             node.host_value = None
-        parent = node.parent
-        assert parent is not None
-        del parent.children[node.key[: self._page_bytes]]
-        node.parent = None
-        node.detached = True
+        detach(node, self._page_bytes)
         return freed
 
     # ----------------------------------------------------------------------- inspection

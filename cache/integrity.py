@@ -15,7 +15,8 @@ import numpy.typing as npt
 from .base import PrefixHandle
 
 if TYPE_CHECKING:
-    from .manager import KVCacheManager, _Row
+    from .manager import KVCacheManager
+    from .running_row import RunningRow
 
 
 def _pages_of_run(slots: npt.NDArray[np.int32], page_size: int, what: str) -> npt.NDArray[np.int64]:
@@ -29,7 +30,7 @@ def _pages_of_run(slots: npt.NDArray[np.int32], page_size: int, what: str) -> np
 
 def check_manager(
     manager: KVCacheManager,
-    rows: Iterable[tuple[int, _Row]],
+    rows: Iterable[tuple[int, RunningRow]],
     pinned: list[PrefixHandle],
 ) -> None:
     page_size = manager.page_size

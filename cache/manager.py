@@ -15,49 +15,19 @@ the free list, one tree node, or one running request (``check_integrity``).
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
 
 from .allocator import PagedSlotAllocator
 from .base import MatchResult, PrefixCache, PrefixHandle, SizeInfo
+from .config import CacheConfig, build_prefix_cache
 from .events import EventSink
-from .hiradix import DEFAULT_WRITE_POLICY, HiRadixCache
+from .hiradix import HiRadixCache
 from .integrity import check_manager
 from .kv_copies import KVCopies
-from .naive import NoPrefixCache
-from .radix import RadixCache
 from .req_table import ReqToTokenPool, SlotArray, TableDiff
-from .tree_node import as_token_array
-
-
-@dataclass(frozen=True)
-class CacheConfig:
-    num_pages: int
-    max_running_requests: int
-    max_context_len: int
-    page_size: int  # the table shape comes from the engine's scheduler config, no default here
-    enable_prefix_cache: bool = True
-    num_host_pages: int = 0  # > 0: a host tier of this many pages (hiradix.py)
-    write_policy: str = DEFAULT_WRITE_POLICY
-    write_through_threshold: int = 2
-
-    def __post_init__(self) -> None:
-        for name in ("num_pages", "max_running_requests", "max_context_len", "page_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.num_host_pages < 0:
-            raise ValueError(f"num_host_pages must be >= 0, got {self.num_host_pages}")
-        if self.num_host_pages and not self.enable_prefix_cache:
-            raise ValueError("the host KV tier needs the radix cache (it is turned off)")
-
-
-@dataclass
-class _Row:
-    handle: PrefixHandle
-    extra_key: Hashable
-    row_len: int
+from .running_row import RunningRow
 
 
 class KVCacheManager:
@@ -68,17 +38,10 @@ class KVCacheManager:
         self.page_size = config.page_size
         self.req_to_token = ReqToTokenPool(config.max_running_requests, config.max_context_len)
         self.allocator = PagedSlotAllocator(config.num_pages, config.page_size)
-        self.host_cache: HiRadixCache | None = None
-        self.prefix_cache: PrefixCache
-        if config.num_host_pages:
-            self.prefix_cache = self.host_cache = HiRadixCache(
-                config.page_size, config.num_host_pages, config.max_context_len, event_sink,
-                config.write_policy, config.write_through_threshold)
-        elif config.enable_prefix_cache:
-            self.prefix_cache = RadixCache(config.page_size, config.max_context_len, event_sink)
-        else:
-            self.prefix_cache = NoPrefixCache(config.page_size)
-        self._rows: dict[int, _Row] = {}
+        self.prefix_cache: PrefixCache = build_prefix_cache(config, event_sink)
+        self.host_cache: HiRadixCache | None = (
+            self.prefix_cache if isinstance(self.prefix_cache, HiRadixCache) else None)
+        self._rows: dict[int, RunningRow] = {}
         self._pinned: dict[int, PrefixHandle] = {}
 
     # ----------------------------------------------------------------------------- sizes
@@ -145,7 +108,7 @@ class KVCacheManager:
         if handle.host_len:
             slots = np.concatenate((slots, self._load_back(handle)))
         self.req_to_token.write(row, 0, slots)
-        self._rows[row] = _Row(handle, extra_key, handle.cached_len)
+        self._rows[row] = RunningRow(handle, extra_key, handle.cached_len)
         return row
 
     def alloc_slots(self, row: int, num_tokens: int) -> SlotArray | None:
@@ -203,7 +166,7 @@ class KVCacheManager:
         moves to the new last node. Returns the new cached length.
         """
         state = self._row(row)
-        key = self._checked_key(row, state, token_ids)
+        key = state.checked_key(row, token_ids, self.prefix_cache)
         if not self.prefix_cache.enabled:
             return state.handle.cached_len
         cached_len = state.handle.cached_len
@@ -229,7 +192,7 @@ class KVCacheManager:
         or none at all to just free the request).
         """
         state = self._row(row)
-        key = self._checked_key(row, state, token_ids)
+        key = state.checked_key(row, token_ids, self.prefix_cache)
         cached_len = state.handle.cached_len
         aligned_len = len(key) // self.page_size * self.page_size
         if self.prefix_cache.enabled and aligned_len > cached_len:
@@ -295,13 +258,13 @@ class KVCacheManager:
         self.prefix_cache.reset()
 
     # ---------------------------------------------------------------------------- helpers
-    def _row(self, row: int) -> _Row:
+    def _row(self, row: int) -> RunningRow:
         state = self._rows.get(row)
         if state is None:
             raise RuntimeError(f"request row {row} is not held by a running request")
         return state
 
-    def _last_slot(self, row: int, state: _Row) -> int | None:
+    def _last_slot(self, row: int, state: RunningRow) -> int | None:
         if state.row_len == 0:
             return None
         return int(self.req_to_token.table[row, state.row_len - 1])
@@ -311,25 +274,7 @@ class KVCacheManager:
         if short > 0:
             self.evict(short)
 
-    def _checked_key(
-        self, row: int, state: _Row, token_ids: npt.ArrayLike
-    ) -> npt.NDArray[np.int32]:
-        key = as_token_array(token_ids)
-        if len(key) > state.row_len:
-            raise ValueError(
-                f"{len(key)} token ids given for request row {row}, which holds only "
-                f"{state.row_len} slots"
-            )
-        cached_len = state.handle.cached_len
-        if (
-            cached_len
-            and len(key) >= cached_len
-            and not np.array_equal(key[:cached_len], self.prefix_cache.tokens_of(state.handle))
-        ):
-            raise ValueError(f"token ids for request row {row} do not start with its cached prefix")
-        return key
-
-    def _insert(self, row: int, state: _Row, key: npt.NDArray[np.int32]) -> int:
+    def _insert(self, row: int, state: RunningRow, key: npt.NDArray[np.int32]) -> int:
         slots = self.req_to_token.table[row, : len(key)]
         return self.prefix_cache.insert(key, slots, state.extra_key)
 

@@ -15,7 +15,6 @@ eviction of leaves can reach every evictable token.
 
 from __future__ import annotations
 
-import heapq
 import itertools
 from collections.abc import Hashable, Iterable, Iterator
 
@@ -24,9 +23,18 @@ import numpy.typing as npt
 
 from .base import CachedPrefix, MatchResult, PrefixCache, PrefixHandle, SizeInfo, TokenArray
 from .events import CacheEvent, EventKind, EventSink
+from .eviction import evict_lru
 from .radix_audit import check_tree
 from .req_table import SlotArray
-from .tree_node import TreeNode, as_token_array, common_page_bytes
+from .tree_node import (
+    TreeNode,
+    as_token_array,
+    checked_entry,
+    common_page_bytes,
+    detach,
+    split_node,
+)
+from .tree_paths import iter_nodes, iter_prefixes, leaf_paths, path_key, path_slots, unlocked_len
 
 _ITEM = 4  # bytes per int32 token id
 _EMPTY = np.zeros(0, dtype=np.int32)
@@ -134,26 +142,13 @@ class RadixCache(PrefixCache):
 
     def _split(self, child: TreeNode, split_len: int) -> TreeNode:
         """``parent -> child`` becomes ``parent -> upper -> child``; returns ``upper``."""
-        parent = child.parent
-        if parent is None:  # pragma: no cover - roots are never split
-            raise RuntimeError("cannot split a root")
-        cut = split_len * _ITEM
-        upper = TreeNode(
-            child.key[:cut], child.value[:split_len], parent, child.last_access, next(self._ids)
-        )
-        upper.lock_ref = child.lock_ref
-        child.key = child.key[cut:]
-        child.value = child.value[split_len:]
-        child.parent = upper
-        upper.children[child.key[: self._page_bytes]] = child
-        parent.children[upper.key[: self._page_bytes]] = upper
-        return upper
+        return split_node(child, split_len, self._page_bytes, next(self._ids))
 
     # ----------------------------------------------------------------------------- insert
     def insert(
         self, token_ids: npt.ArrayLike, slots: npt.ArrayLike, extra_key: Hashable = None
     ) -> int:
-        key, values = self._checked_insert(token_ids, slots)
+        key, values = checked_entry(token_ids, slots, self.page_size, self.max_context_len)
         if len(key) == 0:
             return 0
         root = self._root(extra_key)
@@ -175,25 +170,6 @@ class RadixCache(PrefixCache):
             if self._event_sink is not None:
                 self._emit(EventKind.INSERTED, extra_key, key.copy(), len(key) - present)
         return present
-
-    def _checked_insert(
-        self, token_ids: npt.ArrayLike, slots: npt.ArrayLike
-    ) -> tuple[TokenArray, SlotArray]:
-        key = as_token_array(token_ids)
-        values = np.asarray(slots)
-        if values.ndim != 1 or len(values) != len(key):
-            raise ValueError(
-                f"key and value lengths differ: {len(key)} token ids, {values.size} slots"
-            )
-        if len(key) % self.page_size:
-            raise ValueError(
-                f"key length {len(key)} is not a multiple of page_size {self.page_size}"
-            )
-        if self.max_context_len is not None and len(key) > self.max_context_len:
-            raise ValueError(
-                f"key of {len(key)} tokens is longer than max_context_len {self.max_context_len}"
-            )
-        return key, values
 
     # ------------------------------------------------------------------------------- lock
     def lock(self, handle: PrefixHandle) -> None:
@@ -240,50 +216,30 @@ class RadixCache(PrefixCache):
             raise ValueError(f"cannot evict a negative number of tokens ({num_tokens})")
         if num_tokens == 0 or not self._evictable_leaves:
             return _EMPTY.copy()
-        heap = [(leaf.last_access, leaf.id, leaf) for leaf in self._evictable_leaves]
-        heapq.heapify(heap)
         freed: list[SlotArray] = []
-        num_evicted = 0
-        while num_evicted < num_tokens and heap:
-            _, _, leaf = heapq.heappop(heap)
-            parent = leaf.parent
-            assert parent is not None
-            self._evictable_leaves.discard(leaf)
-            slots = self._evict_leaf(leaf)
-            self._evictable_size -= len(slots)
-            num_evicted += len(slots)
-            freed.append(slots)
-            if parent.parent is not None and not parent.lock_ref and self._is_leaf(parent):
-                self._evictable_leaves.add(parent)
-                heapq.heappush(heap, (parent.last_access, parent.id, parent))
+
+        def take(leaf: TreeNode) -> int:
+            freed.append(self._evict_leaf(leaf))
+            self._evictable_size -= len(freed[-1])
+            return len(freed[-1])
+
+        evict_lru(self._evictable_leaves, num_tokens, take,
+                  lambda node: node.parent is not None and not node.lock_ref and self._is_leaf(node))
         return np.concatenate(freed) if freed else _EMPTY.copy()
 
     def _evict_leaf(self, leaf: TreeNode) -> SlotArray:
         """Take an unlocked device leaf off the device; returns its slots. Here it leaves the
         tree (the host tier keeps a node that has a host copy)."""
-        assert leaf.parent is not None
-        if self._event_sink is not None:
-            self._emit(EventKind.EVICTED, *self._path_of(leaf), len(leaf.value))
-        del leaf.parent.children[leaf.key[: self._page_bytes]]
-        leaf.parent = None
-        leaf.detached = True
+        self._emit_path(EventKind.EVICTED, leaf, len(leaf.value))
+        detach(leaf, self._page_bytes)
         return leaf.value
 
     def publish_snapshot(self) -> None:
         if self._event_sink is None:
             return
         self._emit(EventKind.CLEARED, None, _EMPTY, 0)
-        for extra_key, root in self._roots.items():
-            stack: list[tuple[TreeNode, bytes]] = [(root, b"")]
-            while stack:
-                node, above = stack.pop()
-                for child in node.children.values():
-                    path = above + child.key
-                    if child.children:
-                        stack.append((child, path))
-                    else:
-                        tokens = np.frombuffer(path, dtype=np.int32).copy()
-                        self._emit(EventKind.INSERTED, extra_key, tokens, len(tokens))
+        for extra_key, tokens in leaf_paths(self._roots):
+            self._emit(EventKind.INSERTED, extra_key, tokens, len(tokens))
 
     # ---------------------------------------------------------------------------- helpers
     def _is_leaf(self, node: TreeNode) -> bool:
@@ -299,13 +255,14 @@ class RadixCache(PrefixCache):
 
     def _path_of(self, node: TreeNode) -> tuple[Hashable, TokenArray]:
         """The namespace and the whole token path from its root down to ``node``."""
-        parts: list[bytes] = []
-        cur: TreeNode | None = node
-        while cur is not None and cur.parent is not None:
-            parts.append(cur.key)
-            cur = cur.parent
-        extra_key = next(k for k, root in self._roots.items() if root is cur)
-        return extra_key, np.frombuffer(b"".join(reversed(parts)), dtype=np.int32).copy()
+        top, key = path_key(node)
+        extra_key = next(k for k, root in self._roots.items() if root is top)
+        return extra_key, np.frombuffer(key, dtype=np.int32).copy()
+
+    def _emit_path(self, kind: EventKind, node: TreeNode, num_tokens: int) -> None:
+        """An event naming ``node``'s whole path (looked up only when a sink listens)."""
+        if self._event_sink is not None:
+            self._emit(kind, *self._path_of(node), num_tokens)
 
     def _emit(
         self, kind: EventKind, extra_key: Hashable, token_ids: TokenArray, num_tokens: int
@@ -317,47 +274,19 @@ class RadixCache(PrefixCache):
 
     # ----------------------------------------------------------------------- inspection
     def iter_prefixes(self) -> Iterator[CachedPrefix]:
-        for extra_key, root in self._roots.items():
-            stack: list[tuple[TreeNode, bytes]] = [(root, b"")]
-            while stack:
-                node, above = stack.pop()
-                for child in node.children.values():
-                    if not len(child.value):
-                        continue  # in a host tier only (hiradix.py), and so is its subtree
-                    yield CachedPrefix(
-                        extra_key,
-                        np.frombuffer(above, dtype=np.int32),
-                        np.frombuffer(child.key, dtype=np.int32),
-                        child.value,
-                    )
-                    stack.append((child, above + child.key))
+        return iter_prefixes(self._roots)
 
     def iter_nodes(self) -> Iterator[TreeNode]:
-        for root in self._roots.values():
-            stack = list(root.children.values())
-            while stack:
-                node = stack.pop()
-                yield node
-                stack.extend(node.children.values())
+        return iter_nodes(self._roots.values())
 
     def evictable_len(self, handle: PrefixHandle) -> int:
-        node = self._live_node(handle)
-        total = 0
-        while node.parent is not None and node.lock_ref == 0:
-            total += len(node.value)
-            node = node.parent
-        return total
+        return unlocked_len(self._live_node(handle))
 
     def tokens_of(self, handle: PrefixHandle) -> TokenArray:
         return self._path_of(self._live_node(handle))[1]
 
     def slots_of(self, handle: PrefixHandle) -> SlotArray:
-        node = self._live_node(handle)
-        parts: list[SlotArray] = []
-        while node.parent is not None:
-            parts.append(node.value)
-            node = node.parent
-        return np.concatenate(parts[::-1]) if parts else _EMPTY.copy()
+        return path_slots(self._live_node(handle))
 
     def check_integrity(self, locked_handles: Iterable[PrefixHandle] | None = None) -> None:
         check_tree(self, locked_handles)
