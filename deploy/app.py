@@ -18,10 +18,11 @@ from raydix.cluster.placement import check_replica_fits
 from raydix.router.serve_router import CacheAwareRequestRouter, RoundRobinRequestRouter
 
 from .capacity import Shortfall, check_replicas_fit, replica_resources
-from .config import AppConfig, resolve_model_path
+from .config import AppConfig
 from .cpu_threads import default_cpu_threads
 from .engine_settings import attention_backend, engine_config, resolve_device, routing_policy
 from .ingress import OpenAIIngress
+from .model_path import resolve_model_path
 from .serve_env import replica_runtime_env
 from .server import EngineFactory, EngineServer, ReplicaSettings, build_engine, replica_bundles
 from .stats_board import StatsBoard

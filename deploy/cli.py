@@ -21,7 +21,9 @@ from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 
-from .config import AppConfig, describe_error, load_yaml, resolve_model_path
+from .config import AppConfig
+from .config_file import describe_error, load_yaml
+from .model_path import resolve_model_path
 
 if TYPE_CHECKING:
     from ray.serve import Application

@@ -1,6 +1,8 @@
 """The application's settings: one pydantic model behind the CLI, a YAML file and `build_app`.
 
 `engine_settings.engine_config` is the only place where they become the engine's frozen config.
+Reading a YAML file is `config_file`'s job, and finding the model's folder `model_path`'s; both
+are re-exported here, where tests and benchmarks import them from.
 """
 
 from __future__ import annotations
@@ -8,15 +10,17 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from raydix.engine.async_engine import MAX_WAITING_REQUESTS
 from raydix.router.state import MAX_APPROX_TOKENS
 from raydix.workers.config import DEFAULT_SHAPE, WorkerConfig
 
-DEFAULT_MODEL = "default"
-DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
+from .config_file import describe_error as describe_error
+from .config_file import load_yaml as load_yaml
+from .model_path import DEFAULT_MODEL, DEFAULT_MODEL_NAME
+from .model_path import resolve_model_path as resolve_model_path
+
 STARTUP_TIMEOUT_S = 600.0  # the default bound on a replica's start-up
 
 
@@ -270,33 +274,3 @@ class AppConfig(BaseModel):
             return DEFAULT_MODEL_NAME
         return Path(self.model).name or self.model
 
-
-def load_yaml(path: str | Path) -> dict[str, object]:
-    """The mapping in a YAML config file (checked by `AppConfig` afterwards)."""
-    data = yaml.safe_load(Path(path).read_text())
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: a config file holds a mapping of options, got {type(data)}")
-    return data
-
-
-def describe_error(error: ValidationError) -> str:
-    """One line naming each bad option."""
-    parts = []
-    for e in error.errors():
-        name = ".".join(str(p) for p in e["loc"]) or "config"
-        parts.append(f"{name}: {e['msg']}")
-    return "; ".join(parts)
-
-
-def resolve_model_path(config: AppConfig) -> str:
-    """A local folder for `config.model`: the default model is converted on first use."""
-    if config.model == DEFAULT_MODEL:
-        from raydix.workers.gguf_convert import DEFAULT_CACHE_DIR, default_model_folder
-
-        cache_dir = Path(config.model_cache_dir) if config.model_cache_dir else DEFAULT_CACHE_DIR
-        return str(default_model_folder(cache_dir))
-    if not (Path(config.model) / "config.json").is_file():
-        raise FileNotFoundError(f"model folder {config.model!r} has no config.json")
-    return config.model
