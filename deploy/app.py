@@ -94,14 +94,7 @@ def bind_app(config: AppConfig, engine_factory: EngineFactory = build_engine) ->
         max_ongoing_requests=1024,
         logging_config={"enable_access_log": False},  # a report per replica per second
     ).bind()
-    settings = ReplicaSettings(use_gpu_bundles=use_gpu,
-                               max_waiting_requests=config.max_waiting_requests,
-                               stream_interval=config.stream_interval,
-                               startup_timeout_s=config.startup_timeout_s,
-                               router_events=config.router_mode == "exact",
-                               router_approx_tokens=config.router_approx_tokens,
-                               debug_cache_audit=config.debug_cache_audit,
-                               cpu_threads=cpu_threads)
+    settings = replica_settings(config, use_gpu, cpu_threads)
     policy = routing_policy(config)
     engine_app = engine_deployment.bind(engine, settings, engine_factory, board, routing=policy)
     ingress = _deployment(OpenAIIngress).options(
@@ -134,6 +127,18 @@ def engine_placement(config: AppConfig) -> EnginePlacement:
     bundles = replica_bundles(config.tp, use_gpu)
     return EnginePlacement(device, use_gpu, bundles,
                            replica_cpu_threads(config, device, bundles))
+
+
+def replica_settings(config: AppConfig, use_gpu: bool, cpu_threads: int | None) -> ReplicaSettings:
+    """What each engine replica is told beyond the engine config (placed by `engine_placement`)."""
+    return ReplicaSettings(use_gpu_bundles=use_gpu,
+                           max_waiting_requests=config.max_waiting_requests,
+                           stream_interval=config.stream_interval,
+                           startup_timeout_s=config.startup_timeout_s,
+                           router_events=config.router_mode == "exact",
+                           router_approx_tokens=config.router_approx_tokens,
+                           debug_cache_audit=config.debug_cache_audit,
+                           cpu_threads=cpu_threads)
 
 
 def replica_shortfall(config: AppConfig) -> Shortfall | None:

@@ -1,10 +1,12 @@
 """The app's defaults are the engine's: an `AppConfig()` left alone reaches the worker, the
-scheduler and the replica with the values those write as their own defaults."""
+scheduler and the replica with the values those write as their own defaults; and a setting
+changed in the app reaches the replica's settings."""
 
 from __future__ import annotations
 
 from dataclasses import fields
 
+from raydix.deploy.app import replica_settings
 from raydix.deploy.config import AppConfig
 from raydix.deploy.engine_settings import engine_config
 from raydix.deploy.server import ReplicaSettings
@@ -27,6 +29,18 @@ def test_app_defaults_reach_the_worker_and_the_scheduler(model_folder: str) -> N
         assert getattr(config.scheduler, name) == getattr(SchedulerConfig(), name), name
 
 
+# decided where the replica is placed (`engine_placement`), not copied from the app's field
+PLACEMENT_FIELDS = ("use_gpu_bundles", "cpu_threads")
+
+
+def _changed(value: object) -> object:
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, int | float):
+        return value + 3
+    raise TypeError(f"no other value for {value!r}")
+
+
 def test_app_defaults_are_the_replicas() -> None:
     # use_gpu_bundles is left out: the app's None means "by device", decided at build time
     app, replica = AppConfig(), ReplicaSettings()
@@ -35,3 +49,16 @@ def test_app_defaults_are_the_replicas() -> None:
     assert set(shared) >= {"max_waiting_requests", "startup_timeout_s", "router_approx_tokens"}
     for name in shared:
         assert getattr(app, name) == getattr(replica, name), name
+
+
+def test_app_settings_reach_the_replica() -> None:
+    shared = [f.name for f in fields(ReplicaSettings)
+              if f.name in AppConfig.model_fields and f.name not in PLACEMENT_FIELDS]
+    assert "stream_interval" in shared
+    changed = {name: _changed(getattr(AppConfig(), name)) for name in shared}
+    settings = replica_settings(AppConfig.model_validate(changed), use_gpu=True, cpu_threads=3)
+    for name, value in changed.items():
+        assert getattr(settings, name) == value, name
+    assert settings.use_gpu_bundles and settings.cpu_threads == 3 and settings.router_events
+    plain = replica_settings(AppConfig(router_mode="approximate"), use_gpu=False, cpu_threads=None)
+    assert not plain.use_gpu_bundles and plain.cpu_threads is None and not plain.router_events

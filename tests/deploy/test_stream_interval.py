@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from raydix.deploy.app import replica_settings
 from raydix.deploy.cli import build_parser, load_config
 from raydix.engine.async_engine import AsyncEngine
 from raydix.engine.request import FinishReason, GenerationParams, RequestOutput, Usage
@@ -76,3 +77,11 @@ def test_the_flag_sets_the_interval_and_zero_is_refused() -> None:
     assert config.stream_interval == 4
     with pytest.raises(Exception, match="stream_interval"):
         load_config(build_parser().parse_args(["serve", "--stream-interval", "0"]))
+
+
+def test_the_flag_reaches_the_replica_settings() -> None:
+    # what `bind_app` hands each engine replica, whose AsyncEngine takes the interval from it
+    config = load_config(build_parser().parse_args(["serve", "--stream-interval", "4"]))
+    assert replica_settings(config, use_gpu=False, cpu_threads=None).stream_interval == 4
+    assert replica_settings(config.model_copy(update={"stream_interval": 1}), use_gpu=False,
+                            cpu_threads=None).stream_interval == 1
