@@ -14,6 +14,9 @@ so the same venv runs both. Workloads (random token ids, the default model, CPU)
 - KV tokens (serve): the same under the config `raydix serve` builds on CPU (its own step
   budget, `deploy/config.py`), which is what a user of `make serve` gets.
 
+A checkout whose workers have the CPU decode graph (`cpu_decode_graph.py`) runs with it, as
+`raydix serve` does on CPU, unless `--no-decode-graph` is given.
+
 Throughputs and the TTFT are given twice: in wall-clock time, and in the child's own CPU time
 (`time.process_time`). With one torch thread the two agree on an idle machine; on a shared one
 the CPU time is the steadier of the two (a busy neighbour delays the child without charging it
@@ -41,6 +44,7 @@ WORKLOADS = ("one stream", "lone prompt", "shared prefix", "mixed", "KV tokens",
              "KV tokens (serve)")
 KV_ROWS = {"KV tokens", "KV tokens (serve)"}
 LOWER_IS_BETTER = {"lone prompt"}
+DECODE_GRAPH_ENV = "RAYDIX_BENCH_DECODE_GRAPH"  # "0": the children run without it
 
 
 def checkout(rev: str) -> Path:
@@ -67,6 +71,7 @@ def run_side(path: Path | None, workload: str, threads: int, dtype: str) -> tupl
     """One workload in a fresh process, importing raydix from `path` (None: this checkout);
     returns its value in wall-clock time and in CPU time (the same for the KV rows)."""
     env = dict(os.environ)
+    env.setdefault(DECODE_GRAPH_ENV, "1")
     if path is not None:
         env["PYTHONPATH"] = f"{path}{os.pathsep}{env.get('PYTHONPATH', '')}"
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
@@ -133,9 +138,11 @@ def _child(workload: str, threads: int, dtype: str) -> tuple[float, float]:
 
     torch.set_num_threads(threads)
     folder = default_model_folder()
+    graph = ({"cpu_decode_graph": True} if os.environ.get(DECODE_GRAPH_ENV) == "1"
+             and "cpu_decode_graph" in WorkerConfig.__dataclass_fields__ else {})
     if workload in KV_ROWS:
         from raydix.workers.runner import ModelRunner
-        config = WorkerConfig(model_path=str(folder), dtype=dtype)
+        config = WorkerConfig(model_path=str(folder), dtype=dtype, **graph)
         if workload == "KV tokens (serve)":
             from raydix.deploy.config import AppConfig
             try:
@@ -165,7 +172,7 @@ def _child(workload: str, threads: int, dtype: str) -> tuple[float, float]:
     else:
         raise ValueError(workload)
     worker = WorkerConfig(model_path=str(folder), dtype=dtype, max_total_tokens=40_000,
-                          cpu_memory_budget_bytes=8 << 30)
+                          cpu_memory_budget_bytes=8 << 30, **graph)
     sched = SchedulerConfig(max_running_requests=64, max_context_len=2048,
                             enable_prefix_cache=True)
     engine = Engine(EngineConfig.build(worker, sched))

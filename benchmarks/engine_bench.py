@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -223,10 +224,13 @@ def main() -> None:
                         help="with --against: also bf16 one stream against the new fp32")
     parser.add_argument("--against-workloads", nargs="+", default=None,
                         help="with --against: a subset of the workloads (default: all)")
+    parser.add_argument("--no-decode-graph", action="store_true",
+                        help="with --against: run the new side without the CPU decode graph")
     args = parser.parse_args()
     if args.against:
-        from _against import WORKLOADS, compare
+        from _against import DECODE_GRAPH_ENV, WORKLOADS, compare
 
+        os.environ[DECODE_GRAPH_ENV] = "0" if args.no_decode_graph else "1"
         compare(args.against, args.rounds, args.threads or 2,
                 args.against_workloads or list(WORKLOADS), args.bf16)
         return

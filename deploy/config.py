@@ -240,6 +240,11 @@ class AppConfig(BaseModel):
         "as many Ray CPUs; default: the cores minus one when that leaves two, else one, shared "
         "among the replicas"
     )
+    disable_cpu_decode_graph: bool = Field(
+        False, description="on CPU: run a lone decode token eagerly, with oneDNN-packed weights, "
+        "instead of through the compiled one-token graph (plain weights; compiled at the first "
+        "start on a machine, about 1-2 minutes, then loaded from inductor's cache)"
+    )
     debug_cache_audit: bool = Field(
         False, description="debug: audit each replica's KV cache in stats calls made while it is "
         "idle (walks the whole pool: seconds at millions of slots)"

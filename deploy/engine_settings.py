@@ -100,6 +100,7 @@ def engine_config(config: AppConfig, model_path: str, device: str) -> EngineConf
         ds_channel_config=config.ds_channel_config,
         hicache_ratio=config.hicache_ratio,
         hicache_size_gb=config.hicache_size,
+        cpu_decode_graph=not config.disable_cpu_decode_graph,
     )
     if worker.kv_pool == "double-sparse" and worker.attention_backend != "torch":
         raise ValueError(f"kv_pool double-sparse needs attention_backend torch (here: "

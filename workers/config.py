@@ -217,6 +217,9 @@ class WorkerConfig:
     hicache_ratio: float = 0.0
     hicache_size_gb: float = 0.0
     cpu_compiled_attention: bool = True  # CPU: decode attention on the pages, compiled at start
+    # CPU: a lone decode token runs one compiled graph (cpu_decode_graph.py), with the weights
+    # kept plain rather than packed; models it does not cover run as without it
+    cpu_decode_graph: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.tp_rank < self.tp_size:

@@ -18,6 +18,8 @@ from .attention import (
     paged_decode,
 )
 from .config import ModelConfig, WorkerConfig
+from .cpu_decode_graph import CpuDecodeGraph
+from .cpu_decode_graph import eligible as decode_graph_eligible
 from .device import resolve_device
 from .double_sparse import make_double_sparse
 from .grammar import GrammarCompiler, GrammarTable
@@ -82,7 +84,9 @@ class ModelRunner:
         self.fused_ops = fused_ops_for(
             "fused" if config.attention_backend == "flashinfer" else "torch")
         self.model.use_fused_ops(self.fused_ops)
-        if self.device.type == "cpu" and config.cpu_packed_linear:
+        self.decode_graph: CpuDecodeGraph | None = None
+        use_graph = self._use_decode_graph()
+        if self.device.type == "cpu" and config.cpu_packed_linear and not use_graph:
             if packing_supported(self.device, dtype):
                 pack_linear_layers(self.model, config.max_running_requests)  # the only copy
             else:
@@ -138,12 +142,23 @@ class ModelRunner:
         self.sampling_table = SamplingTable()  # driving rank only
         self.grammars = GrammarTable(  # driving rank only; xgrammar loads on the first grammar
             GrammarCompiler(config.model_path, mc.vocab_size, mc.eos_token_ids), self.device)
+        if use_graph and isinstance(self.kv_pool, KVPool):
+            self.decode_graph = CpuDecodeGraph(self.model, self.kv_pool, self.req_to_token)
+            logger.info("CPU decode graph ready in %.1f s", self.decode_graph.warm_up())
         self.warm_up: WarmUpResult | None = None
         if config.warm_up:  # before the graphs: eager kernels compile first, then are captured
             self.warm_up = warm_up(self.model, self.backend, self.req_to_token, self.device)
         self.graph_runner: CudaGraphRunner | None = None
         if config.cuda_graph:
             self.graph_runner = self._capture_graphs()
+
+    def _use_decode_graph(self) -> bool:
+        if not self.config.cpu_decode_graph or self.device.type != "cpu":
+            return False
+        why_not = decode_graph_eligible(self.model, self.config.kv_pool, self.config.tp_size)
+        if why_not:
+            logger.info("CPU decode graph not used: %s", why_not)
+        return why_not is None
 
     def _pick_dtype(self) -> torch.dtype:
         """The config's dtype; for `dtype="auto"` on CPU the faster one measured on this CPU,
@@ -318,6 +333,8 @@ class ModelRunner:
         batch = self._make_batch(plan)
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
             return self.graph_runner.replay(batch)
+        if self.decode_graph is not None and self.decode_graph.can_run(batch):
+            return self.decode_graph.replay(batch)
         self.backend.prepare(batch)
         hidden = self.model(batch.input_ids, batch.positions, self.backend)
         last = self._to_device(batch.token_starts + batch.extend_lens - 1)

@@ -32,6 +32,7 @@ def native_bf16() -> bool:
     return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
 
 
+@functools.cache
 def _onednn_linear_ops() -> bool:
     return (torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
@@ -58,6 +59,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor | None, packed: torch.Tensor | 
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
     if weight is None:
         raise RuntimeError("linear layer has neither a weight nor a packed weight")
+    if torch.compiler.is_compiling() and x.dim() == 2 and x.shape[0] == 1:
+        # one row, traced for the CPU decode graph (cpu_decode_graph.py): as multiply-and-sum,
+        # inductor reads each weight row once in a parallel loop; a matrix product would call
+        # the GEMM library, which computes one row at about half the memory bandwidth
+        y = (x[:, None, :] * weight[None]).sum(-1)
+        return y if bias is None else y + bias
+    if (weight.device.type == "cpu" and weight.dtype == torch.float32 and x.dtype == weight.dtype
+            and x.dim() == 2
+            and _onednn_linear_ops() and not torch.compiler.is_compiling()):
+        # oneDNN on the plain weight: MKL's F.linear is 1.4-2.7x slower on this AMD CPU at 4-64
+        # rows (benchmarks/gemv_bench.py); equal at 512
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
 

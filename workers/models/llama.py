@@ -131,11 +131,15 @@ class LlamaModel(nn.Module):
         self.norm = norm(config.hidden_size, config.rms_norm_eps)
         self.embed_scale = config.hidden_size ** 0.5 if embed_scale else None
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                ropes: list[RotaryEmbedding], backend: AttentionBackend) -> torch.Tensor:
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         if self.embed_scale is not None:
             hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
+        return hidden
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                ropes: list[RotaryEmbedding], backend: AttentionBackend) -> torch.Tensor:
+        hidden = self.embed(input_ids)
         residual = None
         for layer, rope in zip(self.layers, ropes, strict=True):
             hidden, residual = layer(positions, hidden, residual, rope, backend)

@@ -1,0 +1,113 @@
+"""The CPU decode graph (workers/cpu_decode_graph.py): a lone decode token runs one compiled
+graph; its greedy tokens equal transformers' and its logits the eager forward's; the weights stay
+one plain copy; models and settings it does not cover run eagerly, saying why."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+
+from raydix.workers import cpu_decode_graph
+from raydix.workers.config import WorkerConfig
+from raydix.workers.runner import ModelRunner
+from raydix.workers.step import ScheduledRequest, StepPlan
+
+from .conftest import TinyModel
+from .reference import assert_greedy_equal
+
+MAX_NEW_TOKENS = 12
+
+
+def _runner(m: TinyModel, graph: bool) -> ModelRunner:
+    return ModelRunner(WorkerConfig(str(m.folder), dtype="float32", max_running_requests=4,
+                                    max_context_len=64, max_total_tokens=256,
+                                    cpu_decode_graph=graph))
+
+
+def _generate(runner: ModelRunner, prompt: list[int],
+              new_tokens: int) -> tuple[list[int], list[np.ndarray]]:
+    """Greedy tokens of one request alone (so every decode step has one token), and the
+    logits of each decode step."""
+    first = runner.kv_pool.config.page_size + 7  # any free slots past the padding page
+    slots = list(range(first, first + len(prompt) + new_tokens))
+    logits = runner.forward(StepPlan.build(0, [ScheduledRequest(1, 0, prompt,
+                                                                slots[:len(prompt)])]))
+    tokens = [int(logits.argmax())]
+    steps = []
+    for i in range(new_tokens - 1):
+        pos = len(prompt) + i
+        logits = runner.forward(StepPlan.build(1 + i, [ScheduledRequest(
+            1, pos, [tokens[-1]], [slots[pos]])]))
+        steps.append(logits[0].float().numpy())
+        tokens.append(int(logits.argmax()))
+    return tokens, steps
+
+
+@pytest.fixture(scope="module")
+def llama_runners(tiny_models: dict[str, TinyModel]) -> tuple[ModelRunner, ModelRunner]:
+    m = tiny_models["llama"]
+    return _runner(m, graph=True), _runner(m, graph=False)
+
+
+def test_decode_graph_matches_transformers_and_the_eager_forward(
+        tiny_models: dict[str, TinyModel], llama_runners: tuple[ModelRunner, ModelRunner],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    m = tiny_models["llama"]
+    graph_runner, eager = llama_runners
+    assert graph_runner.decode_graph is not None and eager.decode_graph is None
+    replays = []
+    real = graph_runner.decode_graph.replay
+    monkeypatch.setattr(graph_runner.decode_graph, "replay",
+                        lambda batch: replays.append(1) or real(batch))
+    ref = m.hf.greedy(m.prompts, MAX_NEW_TOKENS)
+    got, got_logits = zip(*(_generate(graph_runner, p, MAX_NEW_TOKENS) for p in m.prompts),
+                          strict=True)
+    assert len(replays) == len(m.prompts) * (MAX_NEW_TOKENS - 1)  # every decode step
+    assert_greedy_equal(list(got), ref, m.prompts, m.hf,
+                        lambda seqs: [graph_runner.forward(_probe(graph_runner, s))[0].numpy()
+                                      for s in seqs], "llama decode graph")
+    for p, logits in zip(m.prompts, got_logits, strict=True):
+        _, eager_logits = _generate(eager, p, MAX_NEW_TOKENS)
+        np.testing.assert_allclose(np.stack(logits), np.stack(eager_logits), atol=1e-4, rtol=0)
+
+
+def _probe(runner: ModelRunner, seq: list[int]) -> StepPlan:
+    first = runner.kv_pool.config.page_size
+    return StepPlan.build(99, [ScheduledRequest(2, 0, seq, list(range(first, first + len(seq))))])
+
+
+def test_decode_graph_keeps_one_plain_weight_per_linear_layer(
+        llama_runners: tuple[ModelRunner, ModelRunner]) -> None:
+    graph_runner, eager = llama_runners
+    linears = [mod for mod in graph_runner.model.modules() if hasattr(mod, "packed_weight")]
+    assert linears and all(mod.packed_weight is None and mod.weight is not None
+                           for mod in linears)
+    assert graph_runner.weight_bytes == eager.weight_bytes  # eager: packed, the same bytes
+
+
+def test_qk_norm_and_bias_models_match_too(tiny_models: dict[str, TinyModel]) -> None:
+    for name in ("qwen2", "qwen3"):  # q/k/v bias; q/k norms and a head_dim of its own
+        m = tiny_models[name]
+        runner = _runner(m, graph=True)
+        assert runner.decode_graph is not None
+        ref = m.hf.greedy(m.prompts[:1], MAX_NEW_TOKENS)
+        tokens, _ = _generate(runner, m.prompts[0], MAX_NEW_TOKENS)
+        assert_greedy_equal([tokens], ref, m.prompts[:1], m.hf,
+                            lambda seqs, r=runner: [r.forward(_probe(r, s))[0].numpy()
+                                                    for s in seqs], f"{name} decode graph")
+
+
+def test_models_the_graph_does_not_cover_run_eagerly_and_say_why(
+        feature_models, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="raydix.workers.runner")
+    m = feature_models("mistral")  # a sliding window
+    runner = _runner(m, graph=True)
+    assert runner.decode_graph is None
+    assert "sliding window" in caplog.text
+    assert any(mod.packed_weight is not None for mod in runner.model.modules()
+               if hasattr(mod, "packed_weight")) or not torch.backends.mkldnn.is_available()
+    assert cpu_decode_graph.eligible(runner.model, "auto", 2).startswith("tp 2")
+    assert "double-sparse" in cpu_decode_graph.eligible(runner.model, "double-sparse", 1)

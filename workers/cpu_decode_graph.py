@@ -1,0 +1,147 @@
+"""One request's decode step on CPU as one compiled graph (the CPU's counterpart of the CUDA
+graphs of cuda_graph.py).
+
+A lone stream's decode step runs each linear layer on one input row. oneDNN and MKL compute
+that product as a matrix product, at about half of this machine's memory bandwidth, and the ~50
+small operators per layer cost host time each. Here the whole forward of one token (embedding,
+every decoder layer, the final norm and the LM head) is traced once by torch's own compiler
+(inductor): each linear layer becomes a product written as multiply-and-sum
+(`layers/packed.py`: `linear` while compiling), which inductor turns into one parallel,
+vectorised loop over the weight rows that reads each weight once; the norms, rotary embedding,
+activation and residual adds fuse into a few loops; attention reads the request's K/V from the
+pool's pages (`paged_decode_reference`, the same source as the batched kernel), and the new
+token's K/V is written through the `raydix::store_kv` operator, in place.
+
+The graph reads the weights in their plain `[out, in]` layout, so a runner that uses it keeps
+the weights plain (one copy) rather than oneDNN-packed. Models served: the Llama family (Llama,
+Qwen2/3, Mistral, Gemma, Phi-3) at tp 1 whose layers are all plain (no sliding window, no logit
+soft cap, the default softmax scale); others run eagerly, as `eligible` says.
+
+The graph is compiled at start (`warm_up`); inductor keeps the compiled code in its on-disk
+cache (`TORCHINDUCTOR_CACHE_DIR`), so a restart on the same machine loads it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+
+from .attention.base import ForwardBatch
+from .attention.paged_decode import paged_decode_reference
+from .kv_pool import KVPool
+from .layers.custom_ops import CUSTOM_OPS
+from .layers.rotary import RotaryEmbedding
+from .models.llama import LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+
+def eligible(model: torch.nn.Module, kv_pool: str, tp_size: int) -> str | None:
+    """None when `model` can decode through the graph with a `kv_pool` pool (WorkerConfig's
+    setting); otherwise why not."""
+    if tp_size != 1:
+        return f"tp {tp_size} (the graph covers one rank)"
+    if type(model).forward is not LlamaForCausalLM.forward or not isinstance(
+            model, LlamaForCausalLM):
+        return f"{type(model).__name__} is not of the Llama family"
+    config = model.config
+    if config.moe is not None or config.mla is not None:
+        return "mixture-of-experts and MLA models are not covered"
+    if kv_pool != "auto":
+        return f"the {kv_pool} KV pool is not covered"
+    if not all(a.is_plain(config.head_dim) for a in model.layer_attention()):
+        return "a layer has a sliding window, a logit soft cap or its own softmax scale"
+    return None
+
+
+class _OneRequestAttention:
+    """The attention backend a traced layer sees: one query token, whose K/V goes to `out_loc`
+    of this layer's buffers and which attends to the K/V at `slots` (all of them: the request's
+    `[0, L)`). The layer id is not read: one compiled layer serves every layer."""
+
+    def __init__(self, k_buf: torch.Tensor, v_buf: torch.Tensor, out_loc: torch.Tensor,
+                 slots: torch.Tensor, page_size: int) -> None:
+        self.k_buf, self.v_buf = k_buf, v_buf
+        self.out_loc, self.slots, self.page_size = out_loc, slots, page_size
+
+    def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor,
+                v: torch.Tensor) -> torch.Tensor:
+        CUSTOM_OPS.store_kv(self.k_buf, self.v_buf, self.out_loc, k, v, self.page_size)
+        num_q_heads, head_dim = q.shape[1], q.shape[2]
+        num_kv_heads = self.k_buf.shape[1]
+        qg = q.view(1, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
+        lens = torch.full((1,), self.slots.shape[1], dtype=torch.int64)
+        out = paged_decode_reference(qg, self.k_buf, self.v_buf, self.slots, lens)
+        return out.reshape(1, num_q_heads * head_dim)
+
+
+def _layer_step(layer: torch.nn.Module, positions: torch.Tensor, hidden: torch.Tensor,
+                residual: torch.Tensor | None, rope: RotaryEmbedding, k_buf: torch.Tensor,
+                v_buf: torch.Tensor, out_loc: torch.Tensor, slots: torch.Tensor,
+                page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    attention = _OneRequestAttention(k_buf, v_buf, out_loc, slots, page_size)
+    out: tuple[torch.Tensor, torch.Tensor] = layer(positions, hidden, residual, rope, attention)
+    return out
+
+
+def _head_step(model: LlamaForCausalLM, hidden: torch.Tensor,
+               residual: torch.Tensor) -> torch.Tensor:
+    return model.compute_logits(model.model.norm(hidden, residual)[0])
+
+
+# layers with and without an incoming residual (the first has none), the head, and room for a
+# second model in one process (the tests)
+RECOMPILE_LIMIT = 16
+
+
+class CpuDecodeGraph:
+    """Runs steps of one decode token (one request) through the compiled layers: one graph
+    serves every decoder layer (torch.compile inlines the module, so its weights are inputs
+    and the layers share the compiled code; a graph of the whole model compiles 30 copies, about
+    95 s on 2 cores against about 15), one more the final norm and the LM head."""
+
+    def __init__(self, model: LlamaForCausalLM, pool: KVPool, req_to_token: torch.Tensor) -> None:
+        self.model = model
+        self.pool = pool
+        self.req_to_token = req_to_token
+        dynamo_config = torch._dynamo.config
+        dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, RECOMPILE_LIMIT)
+        self._layer: Any = torch.compile(_layer_step, dynamic=False, fullgraph=True)
+        self._head: Any = torch.compile(_head_step, dynamic=False, fullgraph=True)
+
+    @staticmethod
+    def can_run(batch: ForwardBatch) -> bool:
+        return batch.batch_size == 1 and int(batch.extend_lens[0]) == 1
+
+    def replay(self, batch: ForwardBatch) -> torch.Tensor:
+        """Logits [1, vocab] of the step's one decode token."""
+        num_keys = int(batch.prefix_lens[0]) + 1
+        slots = self.req_to_token[int(batch.row_idx[0]), :num_keys].long()[None]
+        return self._run(batch.input_ids, batch.positions, batch.out_cache_loc, slots)
+
+    def _run(self, input_ids: torch.Tensor, positions: torch.Tensor, out_loc: torch.Tensor,
+             slots: torch.Tensor) -> torch.Tensor:
+        # one graph for every number of keys (>= 2: a decode token follows one at least)
+        torch._dynamo.maybe_mark_dynamic(slots, 1)
+        model, pool = self.model, self.pool
+        hidden = model.model.embed(input_ids)
+        residual = None
+        for layer, rope, k_buf, v_buf in zip(model.model.layers, model.ropes, pool.k_buffers,
+                                             pool.v_buffers, strict=True):
+            hidden, residual = self._layer(layer, positions, hidden, residual, rope, k_buf,
+                                           v_buf, out_loc, slots, pool.config.page_size)
+        assert residual is not None
+        logits: torch.Tensor = self._head(model, hidden, residual)
+        return logits
+
+    def warm_up(self) -> float:
+        """Compile (or load from inductor's cache) before serving; returns the seconds taken.
+        Writes only to the pool's padding page."""
+        start = time.perf_counter()
+        zero = torch.zeros(1, dtype=torch.int64)
+        with torch.inference_mode():
+            self._run(zero, zero, zero, torch.zeros(1, 3, dtype=torch.int64))
+        return time.perf_counter() - start
