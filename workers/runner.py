@@ -144,6 +144,8 @@ class ModelRunner:
             GrammarCompiler(config.model_path, mc.vocab_size, mc.eos_token_ids), self.device)
         if use_graph and isinstance(self.kv_pool, KVPool):
             self.decode_graph = CpuDecodeGraph(self.model, self.kv_pool, self.req_to_token)
+            logger.info("CPU decode graph: compiling (about 15 s on 2 cores the first time on "
+                        "this machine; later starts load it from inductor's cache)")
             logger.info("CPU decode graph ready in %.1f s", self.decode_graph.warm_up())
         self.warm_up: WarmUpResult | None = None
         if config.warm_up:  # before the graphs: eager kernels compile first, then are captured
