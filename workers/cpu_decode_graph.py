@@ -27,6 +27,7 @@ import logging
 import time
 from typing import Any
 
+import numpy as np
 import torch
 
 from .attention.base import ForwardBatch
@@ -139,9 +140,15 @@ class CpuDecodeGraph:
 
     def warm_up(self) -> float:
         """Compile (or load from inductor's cache) before serving; returns the seconds taken.
-        Writes only to the pool's padding page."""
+        The inputs are made as the runner makes a step's (host arrays viewed as tensors, the
+        slots read from the request table inside inference mode): dynamo guards on how a
+        tensor was made, and a warm-up with other tensors would leave the first real steps to
+        compile again. Reads row 0 of the table and writes only the padding page's slot 0."""
         start = time.perf_counter()
-        zero = torch.zeros(1, dtype=torch.int64)
-        with torch.inference_mode():
-            self._run(zero, zero, zero, torch.zeros(1, 3, dtype=torch.int64))
+        zero = np.zeros(1, dtype=np.int64)
+        with torch.inference_mode():  # as runner.forward: its tensors are inference tensors
+            self.replay(ForwardBatch(row_idx=zero, prefix_lens=zero + 1, extend_lens=zero + 1,
+                                     input_ids=torch.from_numpy(zero.copy()),
+                                     positions=torch.from_numpy(zero + 1),
+                                     out_cache_loc=torch.from_numpy(zero.copy())))
         return time.perf_counter() - start

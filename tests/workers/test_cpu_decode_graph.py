@@ -63,8 +63,11 @@ def test_decode_graph_matches_transformers_and_the_eager_forward(
     monkeypatch.setattr(graph_runner.decode_graph, "replay",
                         lambda batch: replays.append(1) or real(batch))
     ref = m.hf.greedy(m.prompts, MAX_NEW_TOKENS)
-    got, got_logits = zip(*(_generate(graph_runner, p, MAX_NEW_TOKENS) for p in m.prompts),
-                          strict=True)
+    # the warm-up compiled every graph the steps need: a step that compiles again would stall
+    # a request for seconds (it did, when the warm-up made its tensors outside inference mode)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        got, got_logits = zip(*(_generate(graph_runner, p, MAX_NEW_TOKENS) for p in m.prompts),
+                              strict=True)
     assert len(replays) == len(m.prompts) * (MAX_NEW_TOKENS - 1)  # every decode step
     assert_greedy_equal(list(got), ref, m.prompts, m.hf,
                         lambda seqs: [graph_runner.forward(_probe(graph_runner, s))[0].numpy()
