@@ -67,16 +67,38 @@ def runner_of(engine: Engine) -> ModelRunner:
 
 
 class StepClock:
-    """Wall time of every `engine.step` and of the executor call inside it."""
+    """Wall time of every `engine.step`, of the rank's step (on its own thread when the loop
+    is overlapped), of the forward inside it, and of the engine's waits for the rank (the
+    executor call; overlapped: the wait for the launched step's result)."""
 
     def __init__(self, engine: Engine) -> None:
         self.steps: list[float] = []
-        self.executor: list[float] = []
+        self.rank: list[float] = []
         self.forward: list[float] = []
+        self.wait: list[float] = []
         executor, runner = engine.executor, runner_of(engine)
-        self._wrap(executor, "step", self.executor)
+        self._wrap(executor.worker, "step", self.rank)  # type: ignore[attr-defined]
         self._wrap(runner, "forward", self.forward)
         self._wrap(engine, "step", self.steps)
+        if engine.config.scheduler.overlap_schedule:
+            launch, wait = executor.launch, self.wait
+
+            def timed_launch(plan: object) -> object:
+                handle = launch(plan)  # type: ignore[arg-type]
+                result = handle.result
+
+                def timed_result() -> object:
+                    start = time.perf_counter()
+                    out = result()
+                    wait.append(time.perf_counter() - start)
+                    return out
+
+                handle.result = timed_result  # type: ignore[method-assign]
+                return handle
+
+            executor.launch = timed_launch  # type: ignore[method-assign]
+        else:
+            self._wrap(executor, "step", self.wait)
 
     @staticmethod
     def _wrap(obj: object, name: str, sink: list[float]) -> None:
@@ -121,16 +143,19 @@ def step_split(engine: Engine, batch: int, vocab: int, steps: int) -> dict[str, 
         engine.step()
     while engine.has_work:
         engine.step()
-    for attr in ("step", "forward"):  # drop the wrappers
-        for obj in (engine, engine.executor, runner_of(engine)):
+    for attr in ("step", "forward", "launch"):  # drop the wrappers
+        for obj in (engine, engine.executor, engine.executor.worker, runner_of(engine)):
             obj.__dict__.pop(attr, None)
     n = steps
     step = 1e3 * statistics.median(clock.steps[:n])
-    executor = 1e3 * statistics.median(clock.executor[:n])
+    wait = 1e3 * statistics.median(clock.wait[:n])
+    rank = 1e3 * statistics.median(clock.rank[:n])
     device = device_forward_ms(runner_of(engine), batch, clock.forward[:n])
-    return {"batch": batch, "step_ms": step, "scheduler_ms": step - executor,
-            "rank_host_ms": max(executor - device, 0.0), "device_forward_ms": device,
-            "host_share": max(step - device, 0.0) / step}
+    # scheduler: the engine's own time in a step (overlapped, it runs while the rank computes)
+    return {"batch": batch, "step_ms": step, "scheduler_ms": max(step - wait, 0.0),
+            "rank_step_ms": rank, "rank_host_ms": max(rank - device, 0.0),
+            "device_forward_ms": device, "host_share": max(step - device, 0.0) / step,
+            "overlapped": float(engine.config.scheduler.overlap_schedule)}
 
 
 def bandwidth_gbs(device: str, given: float | None) -> float | None:
@@ -212,11 +237,11 @@ def table(facts: dict[str, object], rows: list[dict[str, object]],
              "| workload | raydix tok/s | transformers tok/s | ratio |", "|---|---|---|---|"]
     lines += [f"| {r['workload']} | {r['raydix_tok_s']} | {r.get('transformers_tok_s', '-')} | "
               f"{r.get('ratio', '-')} |" for r in rows]
-    lines += ["", "| batch | step ms | scheduler ms | rank host ms | device forward ms | "
-              "host share |", "|---|---|---|---|---|---|"]
+    lines += ["", "| batch | step ms | scheduler ms | rank step ms | rank host ms | "
+              "device forward ms | host share |", "|---|---|---|---|---|---|---|"]
     lines += [f"| {s['batch']} | {s['step_ms']:.3f} | {s['scheduler_ms']:.3f} | "
-              f"{s['rank_host_ms']:.3f} | {s['device_forward_ms']:.3f} | {s['host_share']:.0%} |"
-              for s in splits]
+              f"{s['rank_step_ms']:.3f} | {s['rank_host_ms']:.3f} | "
+              f"{s['device_forward_ms']:.3f} | {s['host_share']:.0%} |" for s in splits]
     if floor:
         lines += ["", f"batch-1 decode: {floor['step_ms']} ms per token against a floor of "
                   f"{floor['floor_ms']} ms: {floor['share_of_floor']:.0%} of the floor"]

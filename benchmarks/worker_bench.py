@@ -33,6 +33,11 @@ SYNTHETIC = {
     "llama-1b": dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632,
                      num_hidden_layers=22, num_attention_heads=32, num_key_value_heads=4,
                      max_position_embeddings=2048, tie_word_embeddings=False),
+    # SmolLM2-135M's shape (the default model), for machines without its package
+    "smollm2": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                    num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                    max_position_embeddings=8192, rope_theta=100000.0,
+                    tie_word_embeddings=True),
 }
 
 # peak memory bandwidth (GB/s) by device name fragment, for the floor

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import gc
 import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -240,6 +241,7 @@ class ModelRunner:
     def _memory_reading(self) -> tuple[int, int]:
         """(free bytes after weights, total bytes) of this rank's device."""
         if self.device.type == "cuda":
+            gc.collect()  # an engine built before in this process (cycles) gives its memory back
             torch.cuda.empty_cache()
             free, total = torch.cuda.mem_get_info(self.device)
             return int(free), int(total)

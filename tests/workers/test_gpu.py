@@ -27,6 +27,10 @@ def _worker(folder: Path, backend: str, cuda_graph: bool = False,
 
 
 PROMPTS = [[1, 5, 9, 13, 17, 21, 25], [1, 5, 9, 13, 40, 41, 42, 43, 44], [1, 5, 9, 100]]
+# bf16 logits of this model (magnitude up to ~8) are 1/32 apart; the two paths round at other
+# points (flashinfer's norms keep their sums in float32), and on an H200 a few of 1,536 logits
+# were up to 0.051 apart. A wrong slot, position or head moves logits by whole units.
+BF16_LOGITS = dict(atol=0.1, rtol=0.05)
 
 
 def test_flashinfer_matches_torch_backend(gpu_model: Path) -> None:
@@ -34,7 +38,7 @@ def test_flashinfer_matches_torch_backend(gpu_model: Path) -> None:
     seqs = [p + [7, 8, 9] for p in PROMPTS]
     a = torch_worker.runner.forward(probe_plan(seqs, 1)).float()
     b = fi_worker.runner.forward(probe_plan(seqs, 1)).float()
-    torch.testing.assert_close(b, a, atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(b, a, **BF16_LOGITS)
     for mode in ("whole", "chunked", "prefix"):
         ref = run_greedy(torch_worker.step, scenario(mode, PROMPTS, 8))
         got = run_greedy(fi_worker.step, scenario(mode, PROMPTS, 8))
@@ -80,7 +84,7 @@ def test_flashinfer_windows_and_soft_caps_match_torch_backend(windowed_model: Pa
     seqs = [p + [7, 8, 9] for p in PROMPTS]  # longer than the window
     a = torch_worker.runner.forward(probe_plan(seqs, 1)).float()
     b = fi_worker.runner.forward(probe_plan(seqs, 1)).float()
-    torch.testing.assert_close(b, a, atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(b, a, **BF16_LOGITS)
     for mode in ("whole", "chunked", "prefix"):
         ref = run_greedy(torch_worker.step, scenario(mode, PROMPTS, 8))
         for worker in (fi_worker, graphed):

@@ -21,6 +21,7 @@ from raydix.workers.step import GREEDY, ScheduledRequest, StepPlan
 from raydix.workers.worker import TPWorker
 
 from .driver import run_greedy, scenario
+from .test_gpu import BF16_LOGITS
 from .tp_group import probe_plan
 
 pytestmark = [pytest.mark.gpu,
@@ -171,8 +172,8 @@ def test_graph_plans_give_eager_decodes_tokens(gpu_model: Path) -> None:
     runs the tensor-core kernel without a split: the same logits to bf16 rounding."""
     eager = _worker(gpu_model, False)
     once, every = _worker(gpu_model, True, "once"), _worker(gpu_model, True, "every_step")
-    torch.testing.assert_close(_decode_logits(once), _decode_logits(eager), atol=3e-2,
-                               rtol=3e-2)
+    # a few logits 0.045 apart on an H200: rounding (test_gpu.py, BF16_LOGITS)
+    torch.testing.assert_close(_decode_logits(once), _decode_logits(eager), **BF16_LOGITS)
     for mode in ("whole", "chunked", "prefix"):
         want = run_greedy(eager.step, scenario(mode, PROMPTS, 10))
         assert run_greedy(every.step, scenario(mode, PROMPTS, 10)) == want, mode

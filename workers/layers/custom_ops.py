@@ -69,6 +69,9 @@ def _rmsnorm_cuda(x: torch.Tensor, weight: torch.Tensor, eps: float,
         return TORCH_OPS.rmsnorm(x, weight, eps, gemma)
     from flashinfer import norm
 
+    if gemma and x.dim() == 3:  # flashinfer's Gemma norm takes rows only: one row per head
+        out: torch.Tensor = norm.gemma_rmsnorm(x.reshape(-1, x.shape[-1]), weight, eps)
+        return out.view(x.shape)
     return (norm.gemma_rmsnorm if gemma else norm.rmsnorm)(x, weight, eps)
 
 
