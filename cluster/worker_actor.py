@@ -117,11 +117,13 @@ class WorkerActor:
             if launch is not None:
                 self._step_lock.wait_for(lambda: self._next_launch == launch)
             try:
-                return self._started().step(plan)
+                pending = self._started().launch(plan)
             finally:
                 if launch is not None:
                     self._next_launch = launch + 1
                     self._step_lock.notify_all()
+        # queued: the next launch may go on while this call waits for its tokens
+        return pending.result()
 
     def prepare_grammar(self, spec: GrammarSpec) -> None:
         """Rank 0: start compiling `spec` in the background; returns at once."""

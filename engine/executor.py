@@ -8,11 +8,14 @@ executor's own type.
 from __future__ import annotations
 
 import concurrent.futures
-from typing import Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from raydix.workers.step import GrammarSpec, StepPlan, StepResult
 
 from .config import EngineConfig
+
+if TYPE_CHECKING:  # the core loads without torch: the rank's module comes with the rank
+    from raydix.workers.pending_step import PendingStep
 
 
 class RankLocation(NamedTuple):
@@ -106,7 +109,9 @@ class LocalExecutor:
         return self.worker.step(plan)
 
     def launch(self, plan: StepPlan) -> StepHandle:
-        return self._thread.submit(self.worker.step, plan)
+        # the rank's thread queues the step (on CUDA without waiting for the device) and is
+        # free for the next one; `result` waits for this step's tokens
+        return _LaunchedStep(self._thread.submit(self.worker.launch, plan))
 
     def ranks(self) -> tuple[RankLocation, ...]:
         return (RankLocation(0, None, None),)
@@ -123,3 +128,12 @@ class LocalExecutor:
     def shutdown(self) -> None:
         self._thread.shutdown(wait=True)
 
+
+class _LaunchedStep:
+    """A step the rank's thread launched: `result` waits for the launch, then for the step."""
+
+    def __init__(self, launched: concurrent.futures.Future[PendingStep]) -> None:
+        self._launched = launched
+
+    def result(self) -> StepResult:
+        return self._launched.result().result()

@@ -38,6 +38,7 @@ from .layers.packed import (
 from .loader import load_model
 from .parallel import SINGLE_RANK, TPGroup, all_gather_ints, all_reduce_min, head_shard
 from .penalties import PenaltyTracker
+from .pending_step import PendingStep, SampledTokens, input_ids_on_device, unpack_result
 from .pool_sizing import (
     ForwardShape,
     Headroom,
@@ -140,6 +141,9 @@ class ModelRunner:
                 heads.num_kv_heads, mc.head_dim, mc.num_heads // mc.num_kv_heads, dtype)
         self.sampler = Sampler(self.device)
         self.penalties = PenaltyTracker(mc.vocab_size, self.device)  # driving rank only
+        # the tokens the last step sampled, on the device: the next plan's placeholders
+        self._sampled: SampledTokens | None = None
+        self._no_tokens = torch.zeros(0, dtype=torch.int64, device=self.device)
         self.sampling_table = SamplingTable()  # driving rank only
         self.grammars = GrammarTable(  # driving rank only; xgrammar loads on the first grammar
             GrammarCompiler(config.model_path, mc.vocab_size, mc.eos_token_ids), self.device)
@@ -267,9 +271,23 @@ class ModelRunner:
         self.host_pool.check(plan.device_to_host, to_host=True)
         self.host_pool.check(plan.host_to_device, to_host=False)
 
-    @torch.inference_mode()
     def step(self, plan: StepPlan) -> StepResult | None:
-        """Apply the plan's table diffs, run the forward, and (rank 0) sample."""
+        """Run the plan and wait for its result (rank 0; None on the others)."""
+        pending = self.launch(plan)
+        return None if pending is None else pending.result()
+
+    def takes_pending_on_device(self, plan: StepPlan) -> bool:
+        """Whether this rank reads the plan's placeholders on the device (`pending_step.py`),
+        so that nothing on the host waits for the step before. The host needs the tokens when
+        other ranks share the plan, and when penalties or grammars count them."""
+        return (self.config.tp_size == 1 and not self.penalties.num_tracked
+                and not plan.penalty_starts and not self.grammars.num_active
+                and not plan.grammar_starts)
+
+    @torch.inference_mode()
+    def launch(self, plan: StepPlan) -> PendingStep | None:
+        """Apply the plan's table diffs, queue the forward and (rank 0) the sampling and its
+        device->host copy; returns at once on CUDA (rank 0: the pending result; else None)."""
         if self.config.tp_rank == 0:
             self.sampling_table.check(plan)
         self._check_copies(plan)
@@ -291,31 +309,22 @@ class ModelRunner:
         if self.config.tp_rank != 0:
             return None
         if plan.batch_size == 0:
-            return self._empty_result(plan)
+            self._sampled = SampledTokens(plan.step_id, self._no_tokens)
+            return PendingStep.done(self._empty_result(plan))
         seq_lens = plan.prefix_lens.astype(np.int64) + plan.extend_lens
         check = self.grammars if self.grammars.num_active and self.grammars.draws_first else None
         out = self.sampler.sample(logits, sampling, seq_lens,
                                   self._logit_processors(plan, sampling), check)
+        self._sampled = SampledTokens(plan.step_id, out.token_ids)
         rows = [out.token_ids.double()[None]]  # token ids are exact in float64
         if out.logprobs is not None:
             rows.append(out.logprobs.double()[None])
         if out.top is not None:
             rows += [out.top[0].double().T, out.top[1].double().T]
-        host = torch.cat(rows).cpu().numpy()  # the step's one device->host copy
-        token_ids = host[0].astype(np.int64)
-        logprobs = top_ids = top_logprobs = None
-        if out.logprobs is not None:
-            asked = np.array([p.return_logprob or p.top_logprobs > 0 for p in sampling])
-            logprobs = np.where(asked, host[1], np.nan).astype(np.float32)
-        if out.top is not None:
-            k = out.top[0].shape[1]
-            top_logprobs = host[2: 2 + k].T.astype(np.float32)
-            top_ids = host[2 + k: 2 + 2 * k].T.astype(np.int64)
-        stopped = np.array([int(t) in p.stop_token_ids for t, p in zip(token_ids, sampling,
-                                                                        strict=True)], dtype=bool)
-        if self.grammars.num_active:
-            stopped |= self.grammars.ended(plan, token_ids)
-        return StepResult(plan.step_id, token_ids, logprobs, stopped, top_ids, top_logprobs)
+        finish = functools.partial(unpack_result, plan, sampling, out.logprobs is not None,
+                                   0 if out.top is None else out.top[0].shape[1],
+                                   self.grammars.ended if self.grammars.num_active else None)
+        return PendingStep.copy(torch.cat(rows), finish)  # the step's one device->host copy
 
     def _logit_processors(self, plan: StepPlan, sampling: tuple[SamplingParams, ...]
                           ) -> Callable[[torch.Tensor], torch.Tensor] | None:
@@ -352,7 +361,8 @@ class ModelRunner:
                                                                               extend)
         return ForwardBatch(
             row_idx=plan.row_idx.astype(np.int64), prefix_lens=prefix, extend_lens=extend,
-            input_ids=self._to_device(np.asarray(plan.input_ids, dtype=np.int64)),
+            input_ids=input_ids_on_device(np.asarray(plan.input_ids, dtype=np.int64),
+                                          plan.tokens_from_step, self._sampled, self.device),
             positions=self._to_device(positions),
             out_cache_loc=self._to_device(plan.out_cache_loc.astype(np.int64)),
             row_versions=self.table.versions[plan.row_idx])

@@ -1,8 +1,8 @@
 """One rank of a replica: joins the TP group, runs plans in SPMD with the other ranks.
 
-Rank 0 drives: `step(plan)` broadcasts the plan over the CPU group, runs it, and returns the
-`StepResult`. Every other rank sits in `follow()`, running each broadcast plan until a shutdown
-plan arrives. The engine calls only rank 0 per step, so there is no per-rank round trip.
+Rank 0 drives: `launch(plan)` broadcasts the plan over the CPU group, queues it, and returns its
+pending `StepResult` (`step(plan)` also waits for it). Every other rank sits in `follow()`,
+running each broadcast plan until a shutdown plan arrives. The engine calls only rank 0 per step, so there is no per-rank round trip.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from .broadcast import broadcast_plan
 from .config import WorkerConfig
 from .device import bind_device
 from .parallel import TPGroup, init_tp_group
+from .pending_step import PendingStep
 from .runner import ModelRunner
 from .step import GrammarSpec, StepPlan, StepResult, resolve_pending
 
@@ -29,8 +30,8 @@ class TPWorker:
                                   config.device)
         self.group = group
         self.runner = ModelRunner(config, group)
-        self._last_step_id = -1  # driving rank: the last step run, and its sampled tokens
-        self._last_token_ids = np.zeros(0, np.int64)
+        self._last_step_id = -1  # driving rank: the last step launched, and its result
+        self._last: PendingStep | None = None
 
     @property
     def max_num_tokens(self) -> int:
@@ -41,17 +42,27 @@ class TPWorker:
         return self.runner.max_host_tokens
 
     def step(self, plan: StepPlan) -> StepResult:
-        """Driving rank only: share `plan` with the followers and run it."""
+        """Driving rank only: share `plan` with the followers, run it and wait for it."""
+        return self.launch(plan).result()
+
+    def launch(self, plan: StepPlan) -> PendingStep:
+        """Driving rank only: share `plan` with the followers and queue it; the result comes
+        through the returned `PendingStep`. Launched steps run in launch order."""
         if self.group.tp_rank != 0:
             raise RuntimeError("only rank 0 drives steps; other ranks call follow()")
-        # the overlapped loop's placeholders take the tokens this rank sampled last step
-        plan = resolve_pending(plan, self._last_step_id, self._last_token_ids)
+        if not self.runner.takes_pending_on_device(plan):
+            # the host needs the step before done (its tokens, its grammars' state): wait for
+            # it, and put its tokens in the placeholders
+            last = np.zeros(0, np.int64)
+            if self._last is not None:
+                last = self._last.result().next_token_ids
+            plan = resolve_pending(plan, self._last_step_id, last)
         self.runner.check_plan(plan)  # before the broadcast: followers only get valid plans
-        result = self.runner.step(broadcast_plan(plan, self.group))
-        if result is None:
+        pending = self.runner.launch(broadcast_plan(plan, self.group))
+        if pending is None:
             raise RuntimeError("rank 0 produced no step result")
-        self._last_step_id, self._last_token_ids = plan.step_id, result.next_token_ids
-        return result
+        self._last_step_id, self._last = plan.step_id, pending
+        return pending
 
     def prepare_grammar(self, spec: GrammarSpec) -> None:
         """Driving rank only: start compiling `spec` in the background (grammar/compiler.py)."""
