@@ -4,8 +4,8 @@ host adds beside the rank's own work.
 A tiny random Llama (2 layers, hidden 64, a small vocabulary) keeps the rank's step under a
 millisecond, so the step is mostly host work: the CPU's stand-in for a GPU step. Each loop
 decodes `--batch` streams of 64-token prompts for `--steps` steps. Reported per loop: steps per
-second, the rank's busy time per step (its `TPWorker.step`), and the share of the wall time the
-rank sat idle (the host work the loop did not hide). With overlap the engine forms step N+1
+second, the rank's busy time per step (its `TPWorker.launch`, the whole step on a CPU), and the
+share of the wall time the rank sat idle (the host work the loop did not hide). With overlap the engine forms step N+1
 and reads step N while the rank runs, so that share should fall.
 
     python benchmarks/overlap_bench.py [--batch 16] [--steps 400] [--threads N] [--model FOLDER]
@@ -48,7 +48,7 @@ def run(folder: Path, overlap: bool, batch: int, steps: int) -> dict[str, float]
     engine = Engine(config)
     worker = engine.executor.worker  # type: ignore[attr-defined]
     busy: list[float] = []
-    inner = worker.step
+    inner = worker.launch  # both loops: on the CPU the launch runs the whole step
 
     def timed(plan: object) -> object:
         start = time.perf_counter()
@@ -56,7 +56,7 @@ def run(folder: Path, overlap: bool, batch: int, steps: int) -> dict[str, float]
         busy.append(time.perf_counter() - start)
         return out
 
-    worker.step = timed
+    worker.launch = timed
     rng = np.random.default_rng(0)
     for _ in range(batch):
         engine.add_request(rng.integers(2, 500, size=64).tolist(),
