@@ -67,9 +67,10 @@ def runner_of(engine: Engine) -> ModelRunner:
 
 
 class StepClock:
-    """Wall time of every `engine.step`, of the rank's step (on its own thread when the loop
-    is overlapped), of the forward inside it, and of the engine's waits for the rank (the
-    executor call; overlapped: the wait for the launched step's result)."""
+    """Wall time of every `engine.step`, of the rank's launch of each step (on its own thread
+    when the loop is overlapped; on CUDA the host work that queues the step, on a CPU the whole
+    step), of the forward inside it, and of the engine's waits for the rank (the executor call;
+    overlapped: the wait for the launched step's result)."""
 
     def __init__(self, engine: Engine) -> None:
         self.steps: list[float] = []
@@ -77,7 +78,7 @@ class StepClock:
         self.forward: list[float] = []
         self.wait: list[float] = []
         executor, runner = engine.executor, runner_of(engine)
-        self._wrap(executor.worker, "step", self.rank)  # type: ignore[attr-defined]
+        self._wrap(executor.worker, "launch", self.rank)  # type: ignore[attr-defined]
         self._wrap(runner, "forward", self.forward)
         self._wrap(engine, "step", self.steps)
         if engine.config.scheduler.overlap_schedule:
@@ -150,10 +151,14 @@ def step_split(engine: Engine, batch: int, vocab: int, steps: int) -> dict[str, 
     step = 1e3 * statistics.median(clock.steps[:n])
     wait = 1e3 * statistics.median(clock.wait[:n])
     rank = 1e3 * statistics.median(clock.rank[:n])
-    device = device_forward_ms(runner_of(engine), batch, clock.forward[:n])
+    runner = runner_of(engine)
+    device = device_forward_ms(runner, batch, clock.forward[:n])
+    # the rank's host work: on CUDA its launch (the device runs the step after it), on a CPU
+    # its launch less the forward inside it
+    host = rank if runner.device.type == "cuda" else rank - device
     # scheduler: the engine's own time in a step (overlapped, it runs while the rank computes)
     return {"batch": batch, "step_ms": step, "scheduler_ms": max(step - wait, 0.0),
-            "rank_step_ms": rank, "rank_host_ms": max(rank - device, 0.0),
+            "rank_launch_ms": rank, "rank_host_ms": max(host, 0.0),
             "device_forward_ms": device, "host_share": max(step - device, 0.0) / step,
             "overlapped": float(engine.config.scheduler.overlap_schedule)}
 
@@ -237,10 +242,10 @@ def table(facts: dict[str, object], rows: list[dict[str, object]],
              "| workload | raydix tok/s | transformers tok/s | ratio |", "|---|---|---|---|"]
     lines += [f"| {r['workload']} | {r['raydix_tok_s']} | {r.get('transformers_tok_s', '-')} | "
               f"{r.get('ratio', '-')} |" for r in rows]
-    lines += ["", "| batch | step ms | scheduler ms | rank step ms | rank host ms | "
+    lines += ["", "| batch | step ms | scheduler ms | rank launch ms | rank host ms | "
               "device forward ms | host share |", "|---|---|---|---|---|---|---|"]
     lines += [f"| {s['batch']} | {s['step_ms']:.3f} | {s['scheduler_ms']:.3f} | "
-              f"{s['rank_step_ms']:.3f} | {s['rank_host_ms']:.3f} | "
+              f"{s['rank_launch_ms']:.3f} | {s['rank_host_ms']:.3f} | "
               f"{s['device_forward_ms']:.3f} | {s['host_share']:.0%} |" for s in splits]
     if floor:
         lines += ["", f"batch-1 decode: {floor['step_ms']} ms per token against a floor of "
