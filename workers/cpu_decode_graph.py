@@ -40,6 +40,14 @@ from .models.llama import LlamaForCausalLM
 logger = logging.getLogger(__name__)
 
 
+def wanted(model: torch.nn.Module, kv_pool: str, tp_size: int) -> bool:
+    """Whether the graph covers this rank's model; logs why not when it does not."""
+    why_not = eligible(model, kv_pool, tp_size)
+    if why_not:
+        logger.info("CPU decode graph not used: %s", why_not)
+    return why_not is None
+
+
 def eligible(model: torch.nn.Module, kv_pool: str, tp_size: int) -> str | None:
     """None when `model` can decode through the graph with a `kv_pool` pool (WorkerConfig's
     setting); otherwise why not."""

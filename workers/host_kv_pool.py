@@ -17,11 +17,17 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from .step import SlotCopy
+from .step import SlotCopy, StepPlan
+
+if TYPE_CHECKING:
+    from .config import WorkerConfig
+    from .kv_pool import KVPool, MLAKVPool
+    from .parallel import TPGroup
 
 logger = logging.getLogger(__name__)
 
@@ -126,3 +132,38 @@ def log_host_pool(pool: HostKVPool, device_tokens: int, available_bytes: int,
                 pool.max_num_tokens, pool.num_bytes / GB, pool.max_num_tokens / device_tokens,
                 device_tokens, "pinned" if pool.pinned else "plain", available_bytes / GB,
                 tp_size)
+
+
+def make_host_pool(config: WorkerConfig, pool: KVPool | MLAKVPool, group: TPGroup,
+                   device: torch.device) -> HostKVPool:
+    """The host tier's twin of the rank's KV pool; every rank gets the same number of pages."""
+    from .parallel import all_reduce_min
+
+    bytes_per_page = sum(b[0].numel() * b.element_size() for b in pool.buffers) * (
+        config.page_size)
+    available = available_host_bytes()
+    error = None
+    try:
+        pages = host_pool_pages(pool.config.num_pages, bytes_per_page, config.hicache_ratio,
+                                config.hicache_size_gb, config.tp_size, available)
+    except ValueError as e:  # every rank must reach the collective below
+        pages, error = 0, e
+    pages = all_reduce_min(pages, group)
+    if error is not None:
+        raise error
+    if pages < 1:
+        raise ValueError("another rank of the replica cannot hold the host KV tier")
+    host = HostKVPool(pool.buffers, pages, config.page_size, pin_memory=device.type == "cuda")
+    log_host_pool(host, pool.config.max_num_tokens, available, config.tp_size)
+    return host
+
+
+def check_copies(host_pool: HostKVPool | None, plan: StepPlan) -> None:
+    """Raise ValueError for a plan's host-tier copies that this rank cannot make."""
+    if host_pool is None:
+        if plan.device_to_host or plan.host_to_device:
+            raise ValueError("the plan copies to or from the host KV tier, which this "
+                             "rank does not have (hicache_ratio / hicache_size unset)")
+        return
+    host_pool.check(plan.device_to_host, to_host=True)
+    host_pool.check(plan.host_to_device, to_host=False)

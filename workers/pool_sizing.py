@@ -22,6 +22,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from .config import ModelConfig, WorkerConfig
+    from .parallel import HeadShard
 
 logger = logging.getLogger(__name__)
 
@@ -154,3 +161,46 @@ def _warn_imbalance(free_bytes_per_rank: Sequence[int]) -> None:
             "the KV pool is sized by the least", low, int(IMBALANCE_RATIO * 100), most,
             free_bytes_per_rank[most] / 2**30,
             ", ".join(f"rank {r}: {free_bytes_per_rank[r] / 2**30:.2f}" for r in low))
+
+
+def step_headroom(mc: ModelConfig, config: WorkerConfig, dtype: torch.dtype, qkv_heads: int,
+                  on_cuda: bool) -> Headroom:
+    """What the largest step of this rank needs beside the KV pool (`qkv_heads`: its query
+    and K/V heads)."""
+    workspace = 0
+    if config.attention_backend == "flashinfer":
+        from .attention.flashinfer_backend import WORKSPACE_BYTES
+
+        workspace = WORKSPACE_BYTES
+    intermediate, qkv = mc.intermediate_size, qkv_heads * mc.head_dim
+    if mc.moe is not None:  # each token runs top_k experts and the shared ones
+        intermediate = max(intermediate, mc.moe.top_k * mc.moe.intermediate_size
+                           + mc.moe.shared_intermediate_size)
+    if mc.mla is not None:  # q, the latent, and the prefill's per-head K and V
+        heads, m = -(-mc.num_heads // config.tp_size), mc.mla
+        qkv = heads * (2 * m.qk_head_dim + 2 * m.v_head_dim) + m.latent_dim
+    return estimate_headroom(ForwardShape(
+        hidden_size=mc.hidden_size,
+        intermediate_per_rank=-(-intermediate // config.tp_size),
+        qkv_per_rank=qkv, vocab_size=mc.vocab_size,
+        dtype_bytes=dtype.itemsize,
+        max_batch_tokens=config.max_prefill_tokens + config.max_running_requests,
+        max_batch=config.max_running_requests, graph_max_batch=config.graph_max_batch,
+        workspace_bytes=workspace, on_cuda=on_cuda))
+
+
+def pool_cell(mc: ModelConfig, config: WorkerConfig, heads: HeadShard,
+              dtype: torch.dtype) -> tuple[int, int, int]:
+    """(heads, head size, bytes per token over every layer) of this rank's KV pool."""
+    if mc.mla is not None:  # one latent per token, the same on every rank
+        return 1, mc.mla.latent_dim, mla_cell_size(mc.mla.latent_dim, mc.num_layers,
+                                                   dtype.itemsize)
+    from .parallel import head_shard
+
+    # every rank holds the same number of tokens: the most KV heads set the cell
+    max_kv_heads = max(head_shard(mc.num_heads, mc.num_kv_heads, r, config.tp_size).num_kv_heads
+                       for r in range(config.tp_size))
+    cell = kv_cell_size(max_kv_heads, mc.head_dim, mc.num_layers, dtype.itemsize)
+    if config.kv_pool == "double-sparse":  # and each head's heavy-channel label
+        cell += max_kv_heads * config.ds_heavy_channel_num * mc.num_layers * dtype.itemsize
+    return heads.num_kv_heads, mc.head_dim, cell

@@ -19,12 +19,11 @@ from .attention import (
     paged_decode,
 )
 from .config import ModelConfig, WorkerConfig
-from .cpu_decode_graph import CpuDecodeGraph
-from .cpu_decode_graph import eligible as decode_graph_eligible
+from .cpu_decode_graph import CpuDecodeGraph, wanted
 from .device import resolve_device
 from .double_sparse import make_double_sparse
 from .grammar import GrammarCompiler, GrammarTable
-from .host_kv_pool import HostKVPool, available_host_bytes, host_pool_pages, log_host_pool
+from .host_kv_pool import check_copies, make_host_pool
 from .host_memory import keep_freed_memory
 from .kv_pool import KVPool, KVPoolConfig, MLAKVPool
 from .layers.fused import fused_ops_for
@@ -32,7 +31,7 @@ from .layers.packed import (
     native_bf16,
     pack_linear_layers,
     packing_supported,
-    pick_cpu_dtype,
+    rank_dtype,
     weight_bytes,
 )
 from .loader import load_model
@@ -40,12 +39,9 @@ from .parallel import SINGLE_RANK, TPGroup, all_gather_ints, all_reduce_min, hea
 from .penalties import PenaltyTracker
 from .pending_step import PendingStep, SampledTokens, input_ids_on_device, unpack_result
 from .pool_sizing import (
-    ForwardShape,
-    Headroom,
-    estimate_headroom,
-    kv_cell_size,
-    mla_cell_size,
+    pool_cell,
     profile_max_num_tokens,
+    step_headroom,
 )
 from .req_table import RequestTable, to_device
 from .sampler import Sampler
@@ -78,7 +74,7 @@ class ModelRunner:
             keep_freed_memory()  # no page faults on each layer's activations (host_memory.py)
         self.model_config = ModelConfig.from_folder(config.model_path)
         mc = self.model_config
-        dtype = self._pick_dtype()
+        dtype = rank_dtype(config, mc, group)
         self.dtype = dtype
         self.model = load_model(config.model_path, mc, group, dtype, self.device)
         # the fused steps (norms, rope, activations, K/V writes) go with the attention backend:
@@ -87,7 +83,8 @@ class ModelRunner:
             "fused" if config.attention_backend == "flashinfer" else "torch")
         self.model.use_fused_ops(self.fused_ops)
         self.decode_graph: CpuDecodeGraph | None = None
-        use_graph = self._use_decode_graph()
+        use_graph = config.cpu_decode_graph and self.device.type == "cpu" and wanted(
+            self.model, config.kv_pool, config.tp_size)
         if self.device.type == "cpu" and config.cpu_packed_linear and not use_graph:
             if packing_supported(self.device, dtype):
                 pack_linear_layers(self.model, config.max_running_requests)  # the only copy
@@ -98,17 +95,9 @@ class ModelRunner:
         self.weight_bytes = weight_bytes(self.model)
 
         heads = head_shard(mc.num_heads, mc.num_kv_heads, config.tp_rank, config.tp_size)
-        if mc.mla is not None:  # one latent per token, the same on every rank
-            pool_heads, pool_dim = 1, mc.mla.latent_dim
-            cell = mla_cell_size(pool_dim, mc.num_layers, dtype.itemsize)
-        else:  # every rank holds the same number of tokens: the most KV heads set the cell
-            pool_heads, pool_dim = heads.num_kv_heads, mc.head_dim
-            max_kv_heads = max(head_shard(mc.num_heads, mc.num_kv_heads, r, config.tp_size)
-                               .num_kv_heads for r in range(config.tp_size))
-            cell = kv_cell_size(max_kv_heads, mc.head_dim, mc.num_layers, dtype.itemsize)
-            if config.kv_pool == "double-sparse":  # and each head's heavy-channel label
-                cell += max_kv_heads * config.ds_heavy_channel_num * mc.num_layers * dtype.itemsize
-        self.headroom = self._headroom(heads.num_q_heads + 2 * heads.num_kv_heads)
+        pool_heads, pool_dim, cell = pool_cell(mc, config, heads, dtype)
+        self.headroom = step_headroom(mc, config, dtype, heads.num_q_heads + 2 * heads.num_kv_heads,
+                                      self.device.type == "cuda")
         free, total = self._memory_reading()
         num_tokens = profile_max_num_tokens(
             all_gather_ints(free, group), all_reduce_min(total, group),
@@ -134,7 +123,8 @@ class ModelRunner:
                 mc.head_dim, self.model.layer_attention(), mc.mla, config.cuda_graph_plan)
         if isinstance(self.kv_pool, KVPool):
             self.kv_pool.ops = self.fused_ops
-        self.host_pool = self._make_host_pool() if config.host_tier else None
+        self.host_pool = (make_host_pool(config, self.kv_pool, self.group, self.device)
+                          if config.host_tier else None)
         if (isinstance(self.backend, TorchAttentionBackend) and self.device.type == "cpu"
                 and config.cpu_compiled_attention):
             self.backend.paged_kernel = paged_decode.warm_up(
@@ -159,48 +149,6 @@ class ModelRunner:
         if config.cuda_graph:
             self.graph_runner = self._capture_graphs()
 
-    def _use_decode_graph(self) -> bool:
-        if not self.config.cpu_decode_graph or self.device.type != "cpu":
-            return False
-        why_not = decode_graph_eligible(self.model, self.config.kv_pool, self.config.tp_size)
-        if why_not:
-            logger.info("CPU decode graph not used: %s", why_not)
-        return why_not is None
-
-    def _pick_dtype(self) -> torch.dtype:
-        """The config's dtype; for `dtype="auto"` on CPU the faster one measured on this CPU,
-        the same on every rank (bf16 only where every rank picked it)."""
-        if not self.config.dtype_measured:
-            return self.config.torch_dtype
-        mc = self.model_config
-        picked = pick_cpu_dtype(mc.hidden_size, 2 * mc.intermediate_size // self.config.tp_size)
-        use_bf16 = all_reduce_min(int(picked == torch.bfloat16 and native_bf16()), self.group)
-        return torch.bfloat16 if use_bf16 else torch.float32
-
-    def _headroom(self, qkv_heads: int) -> Headroom:
-        """What the largest step needs beside the KV pool (pool_sizing.py)."""
-        mc, config = self.model_config, self.config
-        workspace = 0
-        if config.attention_backend == "flashinfer":
-            from .attention.flashinfer_backend import WORKSPACE_BYTES
-
-            workspace = WORKSPACE_BYTES
-        intermediate, qkv = mc.intermediate_size, qkv_heads * mc.head_dim
-        if mc.moe is not None:  # each token runs top_k experts and the shared ones
-            intermediate = max(intermediate, mc.moe.top_k * mc.moe.intermediate_size
-                               + mc.moe.shared_intermediate_size)
-        if mc.mla is not None:  # q, the latent, and the prefill's per-head K and V
-            heads, m = -(-mc.num_heads // config.tp_size), mc.mla
-            qkv = heads * (2 * m.qk_head_dim + 2 * m.v_head_dim) + m.latent_dim
-        return estimate_headroom(ForwardShape(
-            hidden_size=mc.hidden_size,
-            intermediate_per_rank=-(-intermediate // config.tp_size),
-            qkv_per_rank=qkv, vocab_size=mc.vocab_size,
-            dtype_bytes=self.dtype.itemsize,
-            max_batch_tokens=config.max_prefill_tokens + config.max_running_requests,
-            max_batch=config.max_running_requests, graph_max_batch=config.graph_max_batch,
-            workspace_bytes=workspace, on_cuda=self.device.type == "cuda"))
-
     def _capture_graphs(self) -> CudaGraphRunner:
         from .attention.flashinfer_backend import FlashInferAttentionBackend
         from .cuda_graph import CudaGraphRunner
@@ -209,28 +157,6 @@ class ModelRunner:
             raise TypeError("CUDA graphs need the flashinfer backend")
         return CudaGraphRunner(self.model, self.backend, self.config.graph_max_batch,
                                self.config.max_context_len, self.device)
-
-    def _make_host_pool(self) -> HostKVPool:
-        """The host tier's twin of the KV pool; every rank gets the same number of pages."""
-        config, pool = self.config, self.kv_pool
-        bytes_per_page = sum(b[0].numel() * b.element_size() for b in pool.buffers) * (
-            config.page_size)
-        available = available_host_bytes()
-        error = None
-        try:
-            pages = host_pool_pages(pool.config.num_pages, bytes_per_page, config.hicache_ratio,
-                                    config.hicache_size_gb, config.tp_size, available)
-        except ValueError as e:  # every rank must reach the collective below
-            pages, error = 0, e
-        pages = all_reduce_min(pages, self.group)
-        if error is not None:
-            raise error
-        if pages < 1:
-            raise ValueError("another rank of the replica cannot hold the host KV tier")
-        host = HostKVPool(pool.buffers, pages, config.page_size,
-                          pin_memory=self.device.type == "cuda")
-        log_host_pool(host, pool.config.max_num_tokens, available, config.tp_size)
-        return host
 
     @property
     def max_host_tokens(self) -> int:
@@ -258,18 +184,9 @@ class ModelRunner:
         """Raise ValueError for a plan outside the table or the pool. The driving rank calls
         this before broadcasting, so a bad plan never reaches the followers."""
         self.table.check(plan)
-        self._check_copies(plan)
+        check_copies(self.host_pool, plan)
         if self.config.tp_rank == 0:
             self.sampling_table.check(plan)
-
-    def _check_copies(self, plan: StepPlan) -> None:
-        if self.host_pool is None:
-            if plan.device_to_host or plan.host_to_device:
-                raise ValueError("the plan copies to or from the host KV tier, which this "
-                                 "rank does not have (hicache_ratio / hicache_size unset)")
-            return
-        self.host_pool.check(plan.device_to_host, to_host=True)
-        self.host_pool.check(plan.host_to_device, to_host=False)
 
     def step(self, plan: StepPlan) -> StepResult | None:
         """Run the plan and wait for its result (rank 0; None on the others)."""
@@ -290,7 +207,7 @@ class ModelRunner:
         device->host copy; returns at once on CUDA (rank 0: the pending result; else None)."""
         if self.config.tp_rank == 0:
             self.sampling_table.check(plan)
-        self._check_copies(plan)
+        check_copies(self.host_pool, plan)
         if self.host_pool is not None:  # the host tier's copies come before the forward
             self.host_pool.apply(plan.device_to_host, plan.host_to_device)
         if self.config.tp_rank == 0:

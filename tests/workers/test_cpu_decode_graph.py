@@ -105,7 +105,7 @@ def test_qk_norm_and_bias_models_match_too(tiny_models: dict[str, TinyModel]) ->
 
 def test_models_the_graph_does_not_cover_run_eagerly_and_say_why(
         feature_models, caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="raydix.workers.runner")
+    caplog.set_level(logging.INFO, logger="raydix.workers.cpu_decode_graph")
     m = feature_models("mistral")  # a sliding window
     runner = _runner(m, graph=True)
     assert runner.decode_graph is None

@@ -18,10 +18,15 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+if TYPE_CHECKING:
+    from ..config import ModelConfig, WorkerConfig
+    from ..parallel import TPGroup
 
 logger = logging.getLogger(__name__)
 
@@ -127,3 +132,15 @@ def pick_cpu_dtype(in_features: int, out_features: int, rows: int = 1,
                 str(choice).removeprefix("torch."), out_features, in_features,
                 seconds[torch.float32] / repeats * 1e3, seconds[torch.bfloat16] / repeats * 1e3)
     return choice
+
+
+def rank_dtype(config: WorkerConfig, mc: ModelConfig, group: TPGroup) -> torch.dtype:
+    """The config's dtype; for `dtype="auto"` on CPU the faster one measured on this CPU, the
+    same on every rank (bf16 only where every rank picked it)."""
+    if not config.dtype_measured:
+        return config.torch_dtype
+    from ..parallel import all_reduce_min
+
+    picked = pick_cpu_dtype(mc.hidden_size, 2 * mc.intermediate_size // config.tp_size)
+    use_bf16 = all_reduce_min(int(picked == torch.bfloat16 and native_bf16()), group)
+    return torch.bfloat16 if use_bf16 else torch.float32
