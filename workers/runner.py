@@ -188,9 +188,9 @@ class ModelRunner:
         if self.config.tp_rank == 0:
             self.sampling_table.check(plan)
 
-    def step(self, plan: StepPlan) -> StepResult | None:
+    def step(self, plan: StepPlan, checked: bool = False) -> StepResult | None:
         """Run the plan and wait for its result (rank 0; None on the others)."""
-        pending = self.launch(plan)
+        pending = self.launch(plan, checked)
         return None if pending is None else pending.result()
 
     def takes_pending_on_device(self, plan: StepPlan) -> bool:
@@ -202,12 +202,12 @@ class ModelRunner:
                 and not plan.grammar_starts)
 
     @torch.inference_mode()
-    def launch(self, plan: StepPlan) -> PendingStep | None:
+    def launch(self, plan: StepPlan, checked: bool = False) -> PendingStep | None:
         """Apply the plan's table diffs, queue the forward and (rank 0) the sampling and its
-        device->host copy; returns at once on CUDA (rank 0: the pending result; else None)."""
-        if self.config.tp_rank == 0:
-            self.sampling_table.check(plan)
-        check_copies(self.host_pool, plan)
+        device->host copy; returns at once on CUDA (rank 0: the pending result; else None).
+        `checked`: the driving rank ran `check_plan` on this plan already."""
+        if not checked:
+            self.check_plan(plan)
         if self.host_pool is not None:  # the host tier's copies come before the forward
             self.host_pool.apply(plan.device_to_host, plan.host_to_device)
         if self.config.tp_rank == 0:
@@ -219,10 +219,9 @@ class ModelRunner:
             if plan.batch_size and self.grammars.num_active:
                 self.grammars.prepare(plan, sampling)
         if plan.batch_size == 0:
-            self.table.check(plan)
             self.table.apply(plan)
         else:
-            logits = self.forward(plan)
+            logits = self.forward(plan, checked=True)
         if self.config.tp_rank != 0:
             return None
         if plan.batch_size == 0:
@@ -256,9 +255,10 @@ class ModelRunner:
         return functools.reduce(lambda f, g: lambda x: g(f(x)), steps)
 
     @torch.inference_mode()
-    def forward(self, plan: StepPlan) -> torch.Tensor:
+    def forward(self, plan: StepPlan, checked: bool = False) -> torch.Tensor:
         """Logits [B, vocab] of each request's last new token (also used by tests)."""
-        self.table.check(plan)
+        if not checked:
+            self.table.check(plan)
         self.table.apply(plan)
         batch = self._make_batch(plan)
         if self.graph_runner is not None and self.graph_runner.can_run(batch):

@@ -58,7 +58,7 @@ class TPWorker:
                 last = self._last.result().next_token_ids
             plan = resolve_pending(plan, self._last_step_id, last)
         self.runner.check_plan(plan)  # before the broadcast: followers only get valid plans
-        pending = self.runner.launch(broadcast_plan(plan, self.group))
+        pending = self.runner.launch(broadcast_plan(plan, self.group), checked=True)
         if pending is None:
             raise RuntimeError("rank 0 produced no step result")
         self._last_step_id, self._last = plan.step_id, pending
@@ -77,7 +77,7 @@ class TPWorker:
             plan = broadcast_plan(None, self.group)
             if plan.shutdown:
                 return num_steps
-            self.runner.step(plan)
+            self.runner.step(plan, checked=True)  # the driving rank checked it
             num_steps += 1
 
     def stop_followers(self) -> None:

@@ -112,9 +112,9 @@ def test_penalties_take_the_tokens_on_the_host(tiny_models: dict[str, TinyModel]
     seen: list[StepPlan] = []
     launch = worker.runner.launch
 
-    def recorded(plan: StepPlan) -> object:
+    def recorded(plan: StepPlan, checked: bool = False) -> object:
         seen.append(plan)
-        return launch(plan)
+        return launch(plan, checked)
 
     monkeypatch.setattr(worker.runner, "launch", recorded)
     worker.launch(_with_penalties(0, penalised))
