@@ -98,3 +98,32 @@ def test_kernels_are_ready_before_the_engine_is(folder: Path,
         engine.generate([[2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]], GenerationParams(max_new_tokens=3))
     assert loads == []
     engine.shutdown()
+
+
+def test_the_overlapped_loop_gives_the_synchronous_tokens(folder: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Serve's default loop on CUDA queues step N+1 while step N runs, its placeholders read on
+    the device (workers/pending_step.py): greedy tokens equal the synchronous loop's, and no
+    plan with placeholders went through the host path. Every request runs to the same length,
+    so both loops run the same batches through the same graphs."""
+    from raydix.workers import worker
+
+    prompts = [[1 + i, 5, 9, 13, 17 + i] * 3 for i in range(6)]
+    params = GenerationParams(max_new_tokens=24, ignore_eos=True)
+    sync = serve_engine(folder, mem_fraction_static=0.3, overlap_schedule="off")
+    want = sync.generate(prompts, params)
+    sync.shutdown()
+    del sync
+    resolved: list[bool] = []
+    resolve = worker.resolve_pending
+
+    def recorded(plan: object, *args: object) -> object:
+        resolved.append(plan.has_pending)  # type: ignore[attr-defined]
+        return resolve(plan, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(worker, "resolve_pending", recorded)
+    engine = serve_engine(folder, mem_fraction_static=0.3)
+    assert engine.config.scheduler.overlap_schedule
+    assert engine.generate(prompts, params) == want
+    assert not any(resolved)
+    engine.shutdown()
