@@ -19,6 +19,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 MODEL_NAME = "smollm2"
 NUM_FAKE_GPUS = 4
+# The apps of these tests run without the CPU decode graph (`raydix serve` turns it on on CPU):
+# what they check does not depend on how a lone token is decoded, and each replica would trace
+# the graph at start (seconds; a cold compile takes ~15 s). test_cli.py's `raydix serve` test
+# keeps the default and checks that its replica runs the graph.
+NO_DECODE_GRAPH = True
 
 
 @pytest.fixture(scope="module")
@@ -30,16 +35,6 @@ def model_folder(tmp_path_factory: pytest.TempPathFactory) -> str:
         "intermediate_size": 5632, "num_hidden_layers": 22, "num_attention_heads": 32,
         "num_key_value_heads": 4, "max_position_embeddings": 2048}))
     return str(folder)
-
-
-@pytest.fixture(scope="session")
-def smollm2(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The default model, converted from its packaged GGUF once per session."""
-    from raydix.workers.gguf_convert import convert_gguf, find_packaged_gguf
-
-    return convert_gguf(
-        find_packaged_gguf(), tmp_path_factory.mktemp("smollm2"), show_progress=False
-    )
 
 
 def free_port() -> int:

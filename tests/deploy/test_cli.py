@@ -208,6 +208,9 @@ def test_serve_answers_and_stops_cleanly_on_a_signal(smollm2: Path, signum: int)
         else:
             pytest.fail(f"raydix serve exited with {proc.wait()}")
         assert any("KV pool 2,048 tokens" in line for line in lines), "".join(lines)[-3000:]
+        # the default on CPU: a lone decode token runs the compiled graph (the other serving
+        # tests turn it off)
+        assert any("CPU decode graph ready in" in line for line in lines), "".join(lines)[-3000:]
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
                                max_retries=0)
         out = client.completions.create(model=MODEL_NAME, prompt="The capital of France is",

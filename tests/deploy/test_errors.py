@@ -12,7 +12,7 @@ import pytest
 
 from raydix.deploy.config import AppConfig
 
-from .conftest import MODEL_NAME, ServeCluster
+from .conftest import MODEL_NAME, NO_DECODE_GRAPH, ServeCluster
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -32,7 +32,8 @@ def server(serve_cluster: ServeCluster, smollm2: Path) -> Iterator[str]:
     from raydix.deploy.app import build_app
 
     common = dict(model=str(smollm2), served_model_name=MODEL_NAME, device="cpu",
-                  max_total_tokens=2048, cpu_threads=1)  # two apps on the 2 CPUs
+                  max_total_tokens=2048, cpu_threads=1,  # two apps on the 2 CPUs
+                  disable_cpu_decode_graph=NO_DECODE_GRAPH)
     guarded = AppConfig(api_key=API_KEY, max_context_len=MAX_CONTEXT_LEN,
                         max_request_bytes=MAX_REQUEST_BYTES, max_running_requests=4,
                         **common)  # type: ignore[arg-type]

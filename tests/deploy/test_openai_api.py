@@ -16,7 +16,7 @@ from raydix.engine.engine import Engine
 from raydix.engine.request import GenerationParams
 from raydix.workers.step import SamplingParams
 
-from .conftest import MODEL_NAME, ServeCluster
+from .conftest import MODEL_NAME, NO_DECODE_GRAPH, ServeCluster
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -25,7 +25,8 @@ PROMPT = "The capital of France is"
 
 def app_config(model: Path) -> AppConfig:
     return AppConfig(model=str(model), served_model_name=MODEL_NAME, device="cpu",
-                     max_total_tokens=8192, max_running_requests=16, max_context_len=512)
+                     max_total_tokens=8192, max_running_requests=16, max_context_len=512,
+                     disable_cpu_decode_graph=NO_DECODE_GRAPH)
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from raydix.deploy.server import ReplicaSettings
 from raydix.engine.config import EngineConfig
 from raydix.engine.engine import Engine
 
-from .conftest import MODEL_NAME, ServeCluster
+from .conftest import MODEL_NAME, NO_DECODE_GRAPH, ServeCluster
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -45,7 +45,7 @@ def server(serve_cluster: ServeCluster, smollm2: Path) -> Iterator[str]:
     cloudpickle.register_pickle_by_value(sys.modules[__name__])  # replicas can't import tests
     config = AppConfig(model=str(smollm2), served_model_name=MODEL_NAME, device="cpu",
                        max_total_tokens=8192, max_running_requests=64, max_context_len=1024,
-                       debug_cache_audit=True)
+                       debug_cache_audit=True, disable_cpu_decode_graph=NO_DECODE_GRAPH)
     serve.run(bind_app(config, engine_factory=checked_engine), name=APP, route_prefix="/")
     yield serve_cluster.base_url
     serve.delete(APP)

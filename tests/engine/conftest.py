@@ -60,16 +60,6 @@ def random_prompts(
 
 
 @pytest.fixture(scope="session")
-def smollm2(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The default model, converted from its packaged GGUF once per session."""
-    from raydix.workers.gguf_convert import convert_gguf, find_packaged_gguf
-
-    return convert_gguf(
-        find_packaged_gguf(), tmp_path_factory.mktemp("smollm2"), show_progress=False
-    )
-
-
-@pytest.fixture(scope="session")
 def tiny_tok(tmp_path_factory: pytest.TempPathFactory, smollm2: Path) -> Path:
     """A tiny random Llama with the default model's tokenizer and vocabulary (what grammars
     compile against): unconstrained it writes garbage."""

@@ -16,6 +16,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 from tests.ray_start import init_ray
@@ -62,6 +63,11 @@ def recording_factory(log_dir: str):  # type: ignore[no-untyped-def]
         from ray import serve
 
         replica_id = serve.get_replica_context().replica_id.unique_id
+        # nothing compiled at start (the CPU decode graph and the compiled decode attention,
+        # ~8 s a replica here, and the module starts 11): where a request runs does not depend
+        # on how a replica computes it (tests/deploy/test_cli.py serves with both)
+        config = replace(config, worker=replace(config.worker, cpu_decode_graph=False,
+                                                cpu_compiled_attention=False))
         engine = RecordingEngine(config, event_sink=event_sink)
         engine.log_path = Path(log_dir) / f"{replica_id}.log"
         engine.log_path.touch()

@@ -20,7 +20,7 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from raydix.workers.gguf_convert import convert_gguf, find_packaged_gguf
+from raydix.workers.gguf_convert import find_packaged_gguf
 
 from .reference import HFReference
 from .tp_group import SpawnedTPGroup
@@ -161,10 +161,10 @@ DEFAULT_PROMPTS = ["The capital of France is", "The capital of France is a city 
 
 
 @pytest.fixture(scope="session")
-def default_model(tmp_path_factory: pytest.TempPathFactory) -> DefaultModel:
-    """SmolLM2-135M-Instruct, converted from its GGUF into a per-session cache folder."""
-    gguf = find_packaged_gguf()
-    folder = convert_gguf(gguf, tmp_path_factory.mktemp("raydix-cache"), show_progress=False)
+def default_model(smollm2: Path) -> DefaultModel:
+    """SmolLM2-135M-Instruct, converted from its GGUF into a per-session cache folder (the
+    `smollm2` folder of tests/conftest.py)."""
+    gguf, folder = find_packaged_gguf(), smollm2
     tok = AutoTokenizer.from_pretrained(folder)
     prompts = [tok(p).input_ids for p in DEFAULT_PROMPTS]
     return DefaultModel(folder, gguf, HFReference(folder), prompts, tok)
