@@ -18,6 +18,7 @@ from raydix.deploy.engine_settings import engine_config
 from raydix.engine.config import EngineConfig
 from raydix.engine.engine import Engine
 from raydix.engine.request import GenerationParams
+from tests import uncompiled
 
 from .conftest import MODEL_NAME, NUM_FAKE_GPUS, ServeCluster
 
@@ -38,11 +39,15 @@ def app_config(model: Path) -> AppConfig:
 
 @pytest.fixture(scope="module")
 def server(serve_cluster: ServeCluster, tiny_llama: Path) -> Iterator[str]:
-    from ray import serve
+    from ray import cloudpickle, serve
 
-    from raydix.deploy.app import build_app
+    from raydix.deploy.app import bind_app
 
-    serve.run(build_app(app_config(tiny_llama)), name=APP, route_prefix="/")
+    # the 4 ranks and the reference compile nothing at start (tests/uncompiled.py): the module
+    # checks placement and that TP=2 replicas answer as one rank does, computed the same way
+    cloudpickle.register_pickle_by_value(uncompiled)  # replicas can't import tests
+    serve.run(bind_app(app_config(tiny_llama), engine_factory=uncompiled.uncompiled_engine),
+              name=APP, route_prefix="/")
     yield serve_cluster.base_url
     serve.delete(APP)
 
@@ -67,7 +72,8 @@ def test_both_replicas_serve_the_same_greedy_output(server: str, tiny_llama: Pat
 
     texts = asyncio.run(run())
     config = engine_config(app_config(tiny_llama), str(tiny_llama), "cpu")
-    one_rank = EngineConfig.build(replace(config.worker, tp_size=1), config.scheduler)
+    one_rank = uncompiled.uncompiled(
+        EngineConfig.build(replace(config.worker, tp_size=1), config.scheduler))
     reference = Engine(one_rank, tokenizer=AutoTokenizer.from_pretrained(tiny_llama))
     tok = reference.tokenizer
     expected = reference.generate([tok.encode(p) for p in PROMPTS],  # type: ignore[union-attr]

@@ -156,10 +156,16 @@ def app_config(model: Path, **overrides: object) -> AppConfig:
 
 
 def deploy(app: str, config: AppConfig, timeout_s: float = 240.0) -> DeploymentHandle:
-    """Deploy the real app under `app` and wait (bounded) until it runs; its engine handle."""
-    from raydix.deploy.app import build_app
+    """Deploy the real app under `app`, its ranks compiling nothing at start (about a dozen
+    rank processes start here, restarts included), and wait (bounded) until it runs."""
+    from ray import cloudpickle
 
-    serve.run_many([serve.RunTarget(build_app(config), name=app, route_prefix=f"/{app}")],
+    from raydix.deploy.app import bind_app
+    from tests import uncompiled
+
+    cloudpickle.register_pickle_by_value(uncompiled)  # replicas can't import tests
+    serve.run_many([serve.RunTarget(bind_app(config, engine_factory=uncompiled.uncompiled_engine),
+                                    name=app, route_prefix=f"/{app}")],
                    wait_for_applications_running=False)
     wait_until(lambda: _app_running(app), timeout_s, f"app {app!r} to run")
     return serve.get_deployment_handle(ENGINE_DEPLOYMENT, app_name=app)
