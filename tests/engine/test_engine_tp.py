@@ -37,7 +37,11 @@ def ray_cluster() -> Iterator[None]:
 
 
 def _engine(model: Path, tp_size: int, **sched: object) -> Engine:
-    worker = WorkerConfig(model_path=str(model), tp_size=tp_size, max_total_tokens=4096)
+    # the compiled decode attention is not built at a rank's start (seconds in each of the 6
+    # rank processes): it runs only for groups of requests of 256 keys or more
+    # (`pages_faster`), and no request here grows past 120 tokens
+    worker = WorkerConfig(model_path=str(model), tp_size=tp_size, max_total_tokens=4096,
+                          cpu_compiled_attention=False)
     config = EngineConfig.build(
         worker,
         SchedulerConfig(max_running_requests=48, max_context_len=512, **sched),  # type: ignore[arg-type]
