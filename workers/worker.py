@@ -2,7 +2,8 @@
 
 Rank 0 drives: `launch(plan)` broadcasts the plan over the CPU group, queues it, and returns its
 pending `StepResult` (`step(plan)` also waits for it). Every other rank sits in `follow()`,
-running each broadcast plan until a shutdown plan arrives. The engine calls only rank 0 per step, so there is no per-rank round trip.
+running each broadcast plan until a shutdown plan arrives. The engine calls only rank 0 per
+step, so there is no per-rank round trip.
 """
 
 from __future__ import annotations
