@@ -108,6 +108,7 @@ def serve_forever(config: AppConfig) -> None:
     from ray import serve
 
     from .app import build_app
+    from .direct_ingress import direct_ingress_env, fallback_proxy_port, use_direct_ingress
     from .serve_env import export_for_local_ray
 
     _catch_stop_signals()
@@ -116,6 +117,8 @@ def serve_forever(config: AppConfig) -> None:
     if config.address is None:
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a local, single-user instance
         export_for_local_ray()  # Serve's proxy and controller take its settings from here
+        if use_direct_ingress(config):  # before the Ray whose processes read them
+            os.environ.update(direct_ingress_env(config.port))
         num_cpus = max(os.cpu_count() or 1, local_cpus_needed(config))
         logger.info("starting a local Ray (%d CPUs)", num_cpus)
         # "local": a new instance even when another Ray runs on this machine (`ray start`),
@@ -126,7 +129,12 @@ def serve_forever(config: AppConfig) -> None:
         ray.init(address=config.address)
     _catch_stop_signals()  # again: ray.init put its own SIGTERM handler in place
     try:
-        serve.start(http_options={"host": config.host, "port": config.port})
+        proxy_port = config.port
+        if use_direct_ingress(config):
+            proxy_port = fallback_proxy_port(config.host)
+            logger.info("the ingress replica serves HTTP itself (direct ingress); Serve's "
+                        "fallback proxy listens on port %d", proxy_port)
+        serve.start(http_options={"host": config.host, "port": proxy_port})
         app = build_app(config)
         logger.info("deploying %s engine replica(s) with tp=%d; the replicas load the model",
                     config.replicas if config.autoscaling is None else "autoscaled", config.tp)

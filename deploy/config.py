@@ -240,6 +240,11 @@ class AppConfig(BaseModel):
         "as many Ray CPUs; default: the cores minus one when that leaves two, else one, shared "
         "among the replicas"
     )
+    disable_direct_ingress: bool = Field(
+        False, description="serve HTTP through Serve's proxy, not from the ingress replica "
+        "itself (direct ingress: one hop less per stream chunk; used with a local Ray and one "
+        "ingress replica, see deploy/direct_ingress.py)"
+    )
     disable_cpu_decode_graph: bool = Field(
         False, description="on CPU: run a lone decode token eagerly, with oneDNN-packed weights, "
         "instead of through the compiled one-token graph (plain weights; compiled at the first "

@@ -183,16 +183,21 @@ def session_processes(sid: int) -> list[str]:
 
 @pytest.mark.ray
 @pytest.mark.slow
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
-def test_serve_answers_and_stops_cleanly_on_a_signal(smollm2: Path, signum: int) -> None:
+@pytest.mark.parametrize(("signum", "flags"), [(signal.SIGINT, []),
+                                               (signal.SIGTERM, ["--disable-direct-ingress"])],
+                         ids=["SIGINT", "SIGTERM-through-the-proxy"])
+def test_serve_answers_and_stops_cleanly_on_a_signal(smollm2: Path, signum: int,
+                                                      flags: list[str]) -> None:
     """Ctrl-C and `kill` stop alike: the stream in flight finishes within the grace period,
-    the process exits 0, and nothing it started (Ray's processes included) is left."""
+    the process exits 0, and nothing it started (Ray's processes included) is left. Served
+    by the ingress replica itself (the default) and through Serve's proxy; SIGTERM with the
+    former is `test_direct_ingress.py`'s."""
     port = free_port()
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "HF_HUB_OFFLINE": "1"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "raydix.deploy.cli", "serve", "--model", str(smollm2),
          "--served-model-name", MODEL_NAME, "--port", str(port), "--max-total-tokens", "2048",
-         "--device", "cpu", "--cpu-threads", "1", "--shutdown-timeout", "20"],
+         "--device", "cpu", "--cpu-threads", "1", "--shutdown-timeout", "20", *flags],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
         start_new_session=True,  # its own session: what it leaves behind can be found
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
