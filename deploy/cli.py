@@ -115,6 +115,7 @@ def serve_forever(config: AppConfig) -> None:
     logger.info("preparing the model %s", config.model)
     resolve_model_path(config)  # the default model is converted here, once, with a progress bar
     if config.address is None:
+        check_port_free(config.host, config.port)
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a local, single-user instance
         export_for_local_ray()  # Serve's proxy and controller take its settings from here
         if use_direct_ingress(config):  # before the Ray whose processes read them
@@ -239,6 +240,19 @@ def _drop_router_actor(app_name: str) -> None:
 
     with contextlib.suppress(ValueError):  # never made (another router, or no replica)
         ray.kill(get_router(app_name), no_restart=True)
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Refuse a port that something on this machine listens on, in one line (Serve would
+    retry its HTTP server for a minute and then fail without naming the port)."""
+    import socket
+
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the HTTP server binds
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise RuntimeError(f"can't listen on {host}:{port}: {e.strerror}") from e
 
 
 def _catch_stop_signals() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -161,6 +162,17 @@ def test_missing_model_folder_is_one_line(tmp_path: Path,
     assert main(["serve", "--model", str(tmp_path / "nothing")]) == 1
     err = capsys.readouterr().err.strip()
     assert "no config.json" in err and "\n" not in err
+
+
+def test_a_port_in_use_is_refused_in_one_line(smollm2: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", "--model", str(smollm2), "--port", str(port)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert f"can't listen on 127.0.0.1:{port}" in err and "\n" not in err
 
 
 def session_processes(sid: int) -> list[str]:
