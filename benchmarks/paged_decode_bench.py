@@ -1,9 +1,13 @@
 """CPU decode attention of one layer: the compiled paged kernel (workers/attention/paged_decode.py)
-against the dense copies (`torch_backend`'s other path), per batch size and length, with the
-path `pages_faster` picks; SmolLM2-135M's heads (3 KV heads of 64, 3 query heads each), random
-slots in a 40,000-slot pool, best of three in CPU time, one thread unless told.
+against the dense copies (`torch_backend`'s other path) and against the same kernel compiled with
+every size dynamic (its form before static head sizes), per batch size and length, with the path
+`pages_faster` picks. SmolLM2-135M's heads (3 KV heads of 64, 3 query heads each), a
+40,000-slot pool, each request's slots one run at a random start (as a prefill allocates them;
+`--random-slots`: scattered), glibc keeping freed blocks as the engine does; best of three
+wall-clock means of 20 calls.
 
-    python benchmarks/paged_decode_bench.py [--threads 1]
+    python benchmarks/paged_decode_bench.py [--threads 2] [--random-slots] [--requests 1 4 16]
+        [--keys 150 600]
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import torch
 
 from raydix.workers.attention import paged_decode
 from raydix.workers.attention.torch_backend import pages_faster
+from raydix.workers.host_memory import keep_freed_memory
 
 HK, G, D, NUM_SLOTS = 3, 3, 64, 40_000
 
@@ -35,40 +40,60 @@ def _dense(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, slots: tor
 
 
 def _micros(fn: Callable[..., torch.Tensor], args: tuple[torch.Tensor, ...],
-            calls: int = 100) -> float:
+            calls: int = 20) -> float:
     fn(*args)
     best = float("inf")
     for _ in range(3):
-        start = time.process_time()
+        start = time.perf_counter()
         for _ in range(calls):
             fn(*args)
-        best = min(best, (time.process_time() - start) / calls)
+        best = min(best, (time.perf_counter() - start) / calls)
     return best * 1e6
+
+
+def _all_dynamic() -> Callable[..., torch.Tensor]:
+    """The kernel as it was compiled before: every size dynamic, head sizes included."""
+    return torch.compile(paged_decode.paged_decode_reference, dynamic=True, fullgraph=True)
+
+
+def _slots(num_req: int, num_keys: int, scattered: bool, gen: torch.Generator) -> torch.Tensor:
+    if scattered:
+        return torch.randint(0, NUM_SLOTS, (num_req, num_keys), generator=gen)
+    starts = torch.randint(0, NUM_SLOTS - num_keys, (num_req, 1), generator=gen)
+    return starts + torch.arange(num_keys)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--random-slots", action="store_true", help="scattered slots")
+    parser.add_argument("--requests", type=int, nargs="+", default=[1, 2, 4, 8, 16, 64])
+    parser.add_argument("--keys", type=int, nargs="+", default=[64, 150, 300, 600, 1000])
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    keep_freed_memory()
     kernel = paged_decode.warm_up(HK, D, G, torch.float32)
     if kernel is None:
         raise SystemExit("the paged kernel did not compile here")
+    dynamic = _all_dynamic()
     gen = torch.Generator().manual_seed(0)
     k_buf = torch.randn(NUM_SLOTS, HK, D, generator=gen)
     v_buf = torch.randn(NUM_SLOTS, HK, D, generator=gen)
-    print(f"{'requests':>8} {'keys':>5} {'paged us':>9} {'dense us':>9} {'paged/dense':>11}  picks")
+    print(f"{args.threads} threads, {'scattered' if args.random_slots else 'one run per request'}")
+    print(f"{'requests':>8} {'keys':>5} {'paged us':>9} {'dense us':>9} {'dynamic us':>10} "
+          f"{'paged/dense':>11} {'paged/dynamic':>13}  picks")
     with torch.inference_mode():
-        for num_req in (1, 2, 4, 8, 16):
-            for num_keys in (150, 300, 600):
+        for num_req in args.requests:
+            for num_keys in args.keys:
                 q = torch.randn(num_req, HK, G, D, generator=gen)
-                slots = torch.randint(0, NUM_SLOTS, (num_req, num_keys), generator=gen)
+                slots = _slots(num_req, num_keys, args.random_slots, gen)
                 lens = torch.full((num_req,), num_keys)
                 inputs = (q, k_buf, v_buf, slots, lens)
                 paged, dense = _micros(kernel, inputs), _micros(_dense, inputs)
+                old = _micros(dynamic, inputs)
                 pick = "paged" if pages_faster(num_req, num_keys) else "dense"
-                print(f"{num_req:>8} {num_keys:>5} {paged:>9.0f} {dense:>9.0f} "
-                      f"{paged / dense:>10.2f}x  {pick}", flush=True)
+                print(f"{num_req:>8} {num_keys:>5} {paged:>9.0f} {dense:>9.0f} {old:>10.0f} "
+                      f"{paged / dense:>10.2f}x {paged / old:>12.2f}x  {pick}", flush=True)
 
 
 if __name__ == "__main__":

@@ -64,8 +64,8 @@ def _configs(model: Path, tp_size: int) -> list[WorkerConfig]:
             max_running_requests=4,
             max_context_len=64,
             max_total_tokens=MAX_TOTAL_TOKENS,
-            # not compiled at each rank's start (seconds a process): its decode attention
-            # runs only for requests of 256 keys or more (`pages_faster`), never here
+            # not compiled at each rank's start (seconds a process): decodes take the dense
+            # copies here; the kernel's own tests are in tests/workers
             cpu_compiled_attention=False,
         )
         for r in range(tp_size)

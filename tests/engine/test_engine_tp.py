@@ -38,8 +38,8 @@ def ray_cluster() -> Iterator[None]:
 
 def _engine(model: Path, tp_size: int, **sched: object) -> Engine:
     # the compiled decode attention is not built at a rank's start (seconds in each of the 6
-    # rank processes): it runs only for groups of requests of 256 keys or more
-    # (`pages_faster`), and no request here grows past 120 tokens
+    # rank processes): decodes take the dense copies here; the kernel's own tests are in
+    # tests/workers (test_paged_decode.py, test_cpu_speed_paths.py)
     worker = WorkerConfig(model_path=str(model), tp_size=tp_size, max_total_tokens=4096,
                           cpu_compiled_attention=False)
     config = EngineConfig.build(

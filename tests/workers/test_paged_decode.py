@@ -99,3 +99,28 @@ def test_steps_after_warm_up_compile_nothing(monkeypatch: pytest.MonkeyPatch) ->
                 lens = torch.randint(2, max_len + 1, (batch,), generator=gen)
                 q = torch.randn(batch, hk, g, d, generator=gen)
                 kernel(q, k_buf, v_buf, slots, lens)
+
+
+def test_head_sizes_are_compiled_static(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel is compiled for the model's head sizes (static: inductor vectorises the head
+    dimension without runtime tails and spreads the softmax over the threads), the batch and
+    key counts stay dynamic: other head sizes would need a new graph, other batches do not."""
+    torch._dynamo.reset()
+    monkeypatch.setattr(paged_decode, "_compiled", None)
+    hk, g, d = 2, 2, 16
+    kernel = paged_decode.warm_up(hk, d, g, torch.float32)
+    assert kernel is not None
+    gen = torch.Generator().manual_seed(0)
+
+    def call(batch: int, max_len: int, head_dim: int) -> None:
+        k_buf = torch.randn(500, hk, head_dim, generator=gen)
+        v_buf = torch.randn(500, hk, head_dim, generator=gen)
+        with torch.inference_mode():
+            slots = torch.randint(0, 500, (batch, max_len), generator=gen)
+            q = torch.randn(batch, hk, g, head_dim, generator=gen)
+            kernel(q, k_buf, v_buf, slots, torch.full((batch,), max_len))
+
+    with torch.compiler.set_stance("fail_on_recompile"):
+        call(5, 70, d)
+        with pytest.raises(RuntimeError, match=r"[Rr]ecompil"):
+            call(5, 70, 32)

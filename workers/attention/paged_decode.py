@@ -4,8 +4,8 @@ One query token per request attends to the K/V at its slots. Written as plain to
 slot lookup `k_buf[slots]` would copy every request's keys and values into a dense tensor per
 layer (at 64 requests of 400 tokens that copy dominates the step). Compiled by torch's own
 compiler (inductor), the lookup is fused into the reductions that read it: each key row is read
-from its page once and nothing dense is built (about 2.8x faster at 64 x 400, equal at one
-request, measured one thread, AVX-512).
+from its page once and nothing dense is built (at 16 and 64 requests of 64-1000 keys 0.29-0.73x
+the dense copies' time, 2 threads, AVX2; see `pages_faster` in torch_backend.py).
 
 The compiled kernel is built once per process at start (`warm_up`): the first start on a machine
 compiles it (about 10-30 s on 2 cores); inductor keeps the result in its on-disk cache
@@ -52,9 +52,21 @@ _failed = False
 
 
 def _compile() -> Kernel:
+    """The kernel compiled for static head sizes (a model's heads never change) and a dynamic
+    batch, key count and pool size: with every size dynamic, inductor left the softmax to one
+    thread and kept runtime tails on the head dimension, 1.3-1.6x slower (2 threads, 4-64
+    requests of 128-1000 keys; `benchmarks/paged_decode_bench.py`)."""
     dynamo_config = torch._dynamo.config
     dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, RECOMPILE_LIMIT)
-    return torch.compile(paged_decode_reference, dynamic=True, fullgraph=True)
+    compiled = torch.compile(paged_decode_reference, dynamic=False, fullgraph=True)
+
+    def kernel(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, slots: torch.Tensor,
+               lens: torch.Tensor) -> torch.Tensor:
+        for tensor, dim in ((q, 0), (k_buf, 0), (v_buf, 0), (slots, 0), (slots, 1), (lens, 0)):
+            torch._dynamo.maybe_mark_dynamic(tensor, dim)  # sizes 0 and 1 stay apart
+        return compiled(q, k_buf, v_buf, slots, lens)
+
+    return kernel
 
 
 def warm_up(num_kv_heads: int, head_dim: int, group: int, dtype: torch.dtype) -> Kernel | None:

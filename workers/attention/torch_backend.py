@@ -185,11 +185,12 @@ class TorchAttentionBackend(AttentionBackend):
         return torch.matmul(probs, v).view(num_req, num_q_heads, head_dim)
 
 
-# The compiled paged kernel against the dense copies, one thread, AVX2 (Zen 3), 3 KV heads of
-# 64, G = 3: 1 request x 150 keys 251 vs 199 us, 2 x 600 722 vs 431 us, 16 x 150 1157 vs
-# 710 us, but 4 x 600 2.6 vs 4.6 ms and 16 x 600 8.4 vs 18.5 ms. Small or short groups copy.
-PAGED_MIN_REQUESTS = 4
-PAGED_MIN_LEN = 256
+# The compiled paged kernel against the dense copies (`benchmarks/paged_decode_bench.py`, 2
+# threads, AVX2 Zen 3, 3 KV heads of 64, G = 3, each request's slots one run): 0.55-0.89x the
+# time from 2 requests of 64-1000 keys, 0.29-0.73x at 16 and 64 requests; a lone request copies
+# (it is about even there, and the CPU decode graph takes it when on).
+PAGED_MIN_REQUESTS = 2
+PAGED_MIN_LEN = 64
 
 
 def pages_faster(num_req: int, max_len: int) -> bool:
