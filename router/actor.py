@@ -21,6 +21,7 @@ from ray.actor import ActorHandle
 
 from raydix.cache import CacheEvent
 
+from .lifetime import AppWatch, RouterLifetimeConfig
 from .policy import RoutingDecision, RoutingPolicyConfig
 from .priority import take_normal_priority
 from .state import MAX_APPROX_TOKENS, RouterState
@@ -47,10 +48,28 @@ class RouterActor:
         policy: RoutingPolicyConfig | None = None,
         exact: bool = True,
         max_approx_tokens: int = MAX_APPROX_TOKENS,
+        app_name: str | None = None,
+        lifetime: RouterLifetimeConfig | None = None,
     ) -> None:
+        """With `app_name` (as a Ray actor only), the actor ends itself once that Serve
+        application is gone (lifetime.py)."""
         take_normal_priority("the router actor")  # every request waits on it (priority.py)
         self._settings: tuple[object, ...] = ()
+        self._watch: AppWatch | None = None
         self.configure(page_size, policy, exact, max_approx_tokens)
+        if app_name is not None:
+            self._me = ray.get_runtime_context().current_actor
+            self._watch = AppWatch(app_name, lifetime or RouterLifetimeConfig(), end=self._end)
+
+    def _heard(self) -> None:
+        if self._watch is not None:
+            self._watch.heard()
+
+    def _end(self, last_heard: float) -> None:
+        """On the watch thread: end the actor for good (no restart, the name is freed), unless
+        a replica reported or the app was configured again since the watch decided."""
+        if self._watch is not None and self._watch.last_heard == last_heard:
+            ray.kill(self._me, no_restart=True)
 
     def configure(
         self,
@@ -61,6 +80,7 @@ class RouterActor:
     ) -> bool:
         """Start over with these settings if they differ (an application deployed again under
         the same name finds the old actor); returns whether the state was reset."""
+        self._heard()
         settings = (page_size, policy or RoutingPolicyConfig(), exact, max_approx_tokens)
         if settings == self._settings:
             return False
@@ -81,12 +101,14 @@ class RouterActor:
 
     def publish(self, replica: str, events: Sequence[CacheEvent]) -> bool:
         """Apply the events; True asks the replica for its snapshot (`RouterState.publish`)."""
+        self._heard()
         return self.state.publish(replica, events)
 
     def report_load(
         self, replica: str, num_running: int, num_waiting: int, kv_usage: float,
         kv_capacity: int = 0,
     ) -> None:
+        self._heard()
         self.state.report_load(replica, num_running, num_waiting, kv_usage, kv_capacity)
 
     def replica_ids(self) -> list[str]:
@@ -113,10 +135,12 @@ def get_or_create_router(
     policy: RoutingPolicyConfig | None = None,
     exact: bool = True,
     max_approx_tokens: int = MAX_APPROX_TOKENS,
+    lifetime: RouterLifetimeConfig | None = None,
 ) -> ActorHandle[RouterActor]:
     """The application's router actor, made on first use (detached from its creator), on the
-    head node: a worker node's loss must not take the router with it. An actor left by an
-    earlier deployment of the app with other settings is reset to these."""
+    head node: a worker node's loss must not take the router with it. It ends itself once the
+    Serve application `app_name` is gone (`lifetime`, kept from the call that made it). An
+    actor left by an earlier deployment of the app with other settings is reset to these."""
     remote = ray.remote(num_cpus=0, max_restarts=-1)(RouterActor)
     actor = cast("ActorHandle[RouterActor]", remote.options(
         name=router_actor_name(app_name),
@@ -125,7 +149,7 @@ def get_or_create_router(
         lifetime="detached",
         scheduling_strategy="DEFAULT",  # never inside the caller's placement group
         resources={HEAD_NODE_RESOURCE: 0.001},
-    ).remote(page_size, policy, exact, max_approx_tokens))
+    ).remote(page_size, policy, exact, max_approx_tokens, app_name, lifetime))
     # ordered before this caller's next calls
     actor.configure.remote(page_size, policy, exact, max_approx_tokens)
     return actor

@@ -15,6 +15,7 @@ import ray
 
 from raydix.cache import EventBuffer, RadixCache
 from raydix.router.actor import get_or_create_router, get_router
+from raydix.router.lifetime import RouterLifetimeConfig
 
 pytestmark = pytest.mark.ray
 
@@ -127,3 +128,70 @@ def test_a_restarted_router_gets_the_replicas_cache_back(ray_local: None) -> Non
     assert ray.get(router.route.remote(before + [7], None, ["r0"])).matched_len == len(before)
     assert ray.get(router.route.remote(list(range(500, 520)), None, ["r0"])).matched_len == 20
     ray.kill(router, no_restart=True)
+
+
+@pytest.fixture(scope="module")
+def noop_app(ray_local: None) -> Iterator[object]:
+    from ray import serve
+
+    @serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0})
+    class Noop:
+        def __call__(self) -> str:
+            return "ok"
+
+    yield Noop.bind()
+    serve.shutdown()
+
+
+def _gone(app_name: str, within_s: float) -> bool:
+    """The app's router actor ended for good within `within_s` (a restart would keep the name)."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            get_router(app_name)
+        except ValueError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_a_redeployed_app_finds_its_router(noop_app: object) -> None:
+    """Deleted and deployed again within the grace period, the app's new replica gets the same
+    router actor back, and it routes."""
+    from ray import serve
+
+    lifetime = RouterLifetimeConfig(check_s=0.1, grace_s=30.0)
+    serve.run(noop_app, name="again", route_prefix="/again")
+    router = get_or_create_router("again", page_size=1, lifetime=lifetime)
+    ray.get(router.report_load.remote("r0", 0, 0, 0.0))
+    serve.delete("again")
+    serve.run(noop_app, name="again", route_prefix="/again")
+    again = get_or_create_router("again", page_size=1, lifetime=lifetime)
+    assert again._actor_id == router._actor_id
+    assert ray.get(again.route.remote(list(range(8)), None, ["r1"])).replica == "r1"
+    serve.delete("again")
+    ray.kill(again, no_restart=True)
+
+
+def test_the_router_ends_with_its_app_and_not_before(noop_app: object) -> None:
+    """Silent replicas (one restarting, loading its model) leave the router alone while Serve
+    has the app; once the app is deleted, or Serve shut down, the router ends within
+    grace_s + check_s. A redeploy after that makes a fresh router that works."""
+    from ray import serve
+
+    lifetime = RouterLifetimeConfig(check_s=0.1, grace_s=0.5)
+    serve.run(noop_app, name="lived", route_prefix="/lived")
+    router = get_or_create_router("lived", page_size=1, lifetime=lifetime)
+    ray.get(router.set_replicas.remote(["r0"]))
+    time.sleep(1.5)  # three grace periods without a report: Serve still has the app
+    assert ray.get(router.replica_ids.remote()) == ["r0"]
+    serve.delete("lived")
+    assert _gone("lived", within_s=10), "the router outlived its deleted app"
+
+    serve.run(noop_app, name="lived", route_prefix="/lived")
+    fresh = get_or_create_router("lived", page_size=1, lifetime=lifetime)
+    assert fresh._actor_id != router._actor_id
+    time.sleep(1.0)
+    assert ray.get(fresh.route.remote(list(range(8)), None, ["r1"])).replica == "r1"
+    serve.shutdown()
+    assert _gone("lived", within_s=10), "the router outlived Serve"
