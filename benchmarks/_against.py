@@ -6,6 +6,7 @@ next run), and imported through a folder of links that maps `raydix.<x>` onto it
 so the same venv runs both. Workloads (random token ids, the default model, CPU):
 
 - one stream: a 128-token prompt, 128 new tokens (output tokens/s);
+- four streams: four such prompts side by side (decode steps of four requests);
 - lone prompt: TTFT of one 512-token prompt (seconds, lower is better);
 - shared prefix: 4x4 prompts of a 512-token group prefix + 64, 32 new tokens each, cache on;
 - mixed: 16 prompts of 32-512 tokens, 16-128 new tokens each;
@@ -40,7 +41,7 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 SUBPACKAGES = ("cache", "workers", "engine", "cluster", "router", "deploy")  # those REV has
-WORKLOADS = ("one stream", "lone prompt", "shared prefix", "mixed", "KV tokens",
+WORKLOADS = ("one stream", "four streams", "lone prompt", "shared prefix", "mixed", "KV tokens",
              "KV tokens (serve)")
 KV_ROWS = {"KV tokens", "KV tokens (serve)"}
 LOWER_IS_BETTER = {"lone prompt"}
@@ -156,6 +157,9 @@ def _child(workload: str, threads: int, dtype: str) -> tuple[float, float]:
     rng = np.random.default_rng(0)
     if workload == "one stream":
         prompts, outputs = [rng.integers(100, vocab, size=128).tolist()], [128]
+    elif workload == "four streams":
+        prompts = [rng.integers(100, vocab, size=128).tolist() for _ in range(4)]
+        outputs = [128] * 4
     elif workload == "lone prompt":
         prompts, outputs = [rng.integers(100, vocab, size=512).tolist()], [1]
     elif workload == "shared prefix":
