@@ -186,10 +186,11 @@ class TorchAttentionBackend(AttentionBackend):
 
 
 # The compiled paged kernel against the dense copies (`benchmarks/paged_decode_bench.py`, 2
-# threads, AVX2 Zen 3, 3 KV heads of 64, G = 3, each request's slots one run): 0.55-0.89x the
-# time from 2 requests of 64-1000 keys, 0.29-0.73x at 16 and 64 requests; a lone request copies
-# (it is about even there, and the CPU decode graph takes it when on).
-PAGED_MIN_REQUESTS = 2
+# threads, AVX2 Zen 3, 3 KV heads of 64, G = 3, each request's slots one run): 0.55-0.87x the
+# time at 4 and 8 requests of 64-1000 keys, 0.29-0.73x at 16 and 64 requests; about even at 1
+# and 2 requests (0.3-1.3x, noisy), where the dense copies stay (the CPU decode graph takes a
+# lone request when on).
+PAGED_MIN_REQUESTS = 4
 PAGED_MIN_LEN = 64
 
 
