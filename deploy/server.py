@@ -11,7 +11,8 @@ With the cache-aware router (`routing` set), a `ReplicaReporter` task on the rep
 sends the replica's load to the application's router actor (made here by the first replica, so it
 carries the application's name and page size). In exact mode (`router_events`) the engine also
 publishes its radix-cache events into an `EventBuffer`, which the reporter sends along, and the
-engine sends its whole cache again when the router asks (after a router restart or lost events).
+engine sends its whole cache again when the router asks (after a router restart or lost events);
+a router actor that died for good is got again with the same arguments (`ReplicaReporter`).
 
 Faults: a replica whose engine can't step any more (its loop stopped, or a rank died) is of no
 use, and Serve's health check would notice only after several periods, while routers keep
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import time
@@ -201,12 +203,13 @@ class EngineServer:
         self._kv_capacity = 0
         if routing is not None:
             self._kv_capacity = self.engine.engine.cache_stats().kv_capacity
-            router = get_or_create_router(_app_name(), engine_config.scheduler.page_size, routing,
-                                          exact=events is not None,
-                                          max_approx_tokens=settings.router_approx_tokens)
+            get_router = functools.partial(
+                get_or_create_router, _app_name(), engine_config.scheduler.page_size, routing,
+                exact=events is not None, max_approx_tokens=settings.router_approx_tokens)
             reporter = ReplicaReporter(
-                router, self.replica_id, events.drain if events is not None else lambda: (), self._load,
-                publish_snapshot=self._publish_snapshot if events is not None else None)
+                get_router(), self.replica_id, events.drain if events is not None else lambda: (),
+                self._load, publish_snapshot=self._publish_snapshot if events is not None else None,
+                get_router=get_router)
             self._router_reporter = loop.create_task(reporter.run())
 
     async def _publish_snapshot(self) -> None:

@@ -13,6 +13,11 @@ whether it needs this replica's snapshot: after a router restart, a late registr
 events, it no longer knows what the replica holds. The reporter then has the engine send its
 whole cache again (``publish_snapshot``, at most once per ``snapshot_interval_s``), which
 reaches the router through the same event stream, in order.
+
+A router actor that died for good (``ActorDiedError``: it ended itself, its app gone, while the
+app was deployed again; or it was killed) is asked for again through ``get_router`` (the
+application's ``get_or_create_router``), and the cache is sent whole to the new one at once: it
+knows nothing of this replica, and an idle replica's empty batches would never make it ask.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ray.actor import ActorHandle
+from ray.exceptions import ActorDiedError
 
 from raydix.cache import CacheEvent
 
@@ -55,8 +61,11 @@ class ReplicaReporter:
         heartbeat_s: float = 1.0,
         snapshot_interval_s: float = 2.0,
         answer_timeout_s: float = 2.0,
+        get_router: Callable[[], ActorHandle[RouterActor]] | None = None,
     ) -> None:
+        """`get_router` gives the application's router actor again when this one died."""
         self.router = router
+        self._get_router = get_router
         self.replica_id = replica_id
         self._drain_events = drain_events
         self._read_load = read_load
@@ -70,6 +79,7 @@ class ReplicaReporter:
         self._last_publish = float("-inf")
         self._last_snapshot = float("-inf")
         self.num_snapshots = 0
+        self.num_reconnects = 0
 
     def report_once(self) -> Any:
         """Send what changed since the last report; returns the router's answer to the events
@@ -96,22 +106,45 @@ class ReplicaReporter:
                 or abs(load.kv_usage - last.kv_usage) >= KV_USAGE_STEP)
 
     async def _follow_up(self, answer: Any) -> None:
-        """Send the snapshot when the router asks for it."""
-        if answer is None or self._publish_snapshot is None:
+        """Wait for the router's answer (a dead router shows here), and send the snapshot when
+        it asks for it."""
+        if answer is None:
             return
         needs_snapshot = await asyncio.wait_for(answer, self.answer_timeout_s)
-        now = time.monotonic()
-        if needs_snapshot and now - self._last_snapshot >= self.snapshot_interval_s:
-            self._last_snapshot = now
-            self.num_snapshots += 1
+        if needs_snapshot and time.monotonic() - self._last_snapshot >= self.snapshot_interval_s:
             logger.info("replica %s: the router asked for the cache's snapshot", self.replica_id)
-            await self._publish_snapshot()
+            await self._send_snapshot()
+
+    async def _send_snapshot(self) -> None:
+        if self._publish_snapshot is None:
+            return
+        self._last_snapshot = time.monotonic()
+        self.num_snapshots += 1
+        await self._publish_snapshot()
+
+    async def _reconnect(self) -> None:
+        """The router actor is gone for good: take the application's router again (made anew
+        if none is running) and send it the whole cache. The events drained for the dead one
+        are lost; the snapshot, later in the stream, covers them."""
+        if self._get_router is None:
+            logger.warning("replica %s: the router actor died; no way to find it again",
+                           self.replica_id)
+            return
+        logger.warning("replica %s: the router actor died; finding the app's router again",
+                       self.replica_id)
+        self.router = self._get_router()
+        self.num_reconnects += 1
+        self._last_load, self._last_publish = None, float("-inf")  # report at once
+        await self._send_snapshot()
 
     async def run(self) -> None:
         """Report until cancelled; a failed report is logged and the next one goes on."""
         while True:
             try:
-                await self._follow_up(self.report_once())
+                try:
+                    await self._follow_up(self.report_once())
+                except ActorDiedError:
+                    await self._reconnect()
             except Exception:  # the router may be restarting: routing falls back meanwhile
                 logger.warning("reporting to the router failed", exc_info=True)
             await asyncio.sleep(self.period_s)

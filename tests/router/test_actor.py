@@ -130,6 +130,54 @@ def test_a_restarted_router_gets_the_replicas_cache_back(ray_local: None) -> Non
     ray.kill(router, no_restart=True)
 
 
+def test_a_reporter_whose_router_was_killed_finds_a_new_one(ray_local: None) -> None:
+    """A router actor that died for good (ActorDiedError on the reporter's call) is taken again
+    from the reporter's factory, which makes a new one, and the cache reaches it whole."""
+    import asyncio
+
+    from raydix.router.reporter import LoadReport, ReplicaReporter
+
+    dead = get_or_create_router("reconnect", page_size=1)
+    ray.kill(dead, no_restart=True)
+    deadline = time.monotonic() + 30
+    while True:  # the name is freed once the actor is gone
+        try:
+            get_router("reconnect")
+        except ValueError:
+            break
+        assert time.monotonic() < deadline, "the killed router kept its name"
+        time.sleep(0.1)
+
+    def make_router() -> ray.actor.ActorHandle:
+        router = get_or_create_router("reconnect", page_size=1)
+        router.set_replicas.remote(["r0"])  # as the request router would
+        return router
+
+    buffer = EventBuffer()
+    cache = RadixCache(event_sink=buffer)
+    cache.insert(list(range(300, 340)), list(range(1, 41)))
+
+    async def snapshot() -> None:
+        cache.publish_snapshot()
+
+    reporter = ReplicaReporter(dead, "r0", buffer.drain, lambda: LoadReport(0, 0, 0.0),
+                               period_s=0.01, publish_snapshot=snapshot, get_router=make_router)
+
+    async def run_until_reconnected() -> None:
+        task = asyncio.create_task(reporter.run())
+        while reporter.num_reconnects == 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.5)  # the snapshot's events go in the next report
+        task.cancel()
+
+    deadline = time.monotonic() + 30
+    asyncio.run(run_until_reconnected())
+    assert reporter.num_reconnects == 1 and reporter.num_snapshots == 1
+    router = get_router("reconnect")
+    assert ray.get(router.route.remote(list(range(300, 341)), None, ["r0"])).matched_len == 40
+    ray.kill(router, no_restart=True)
+
+
 @pytest.fixture(scope="module")
 def noop_app(ray_local: None) -> Iterator[object]:
     from ray import serve
