@@ -76,8 +76,14 @@ class AppWatch:
         self.last_heard = time.monotonic()
         self._end = end
         self._in_serve = in_serve
+        self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="raydix-router-watch", daemon=True)
         self._thread.start()
+
+    def stop(self) -> None:
+        """End the watch thread (the actor lives on as it is)."""
+        self._stopped.set()
+        self._thread.join()
 
     def heard(self) -> None:
         self.last_heard = time.monotonic()
@@ -89,8 +95,7 @@ class AppWatch:
         return self._in_serve(self.app_name) is False
 
     def _run(self) -> None:
-        while True:
-            time.sleep(self.config.check_s)
+        while not self._stopped.wait(self.config.check_s):
             try:
                 if self.app_gone():
                     logger.info("app %r is gone: its router actor ends", self.app_name)
