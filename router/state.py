@@ -103,7 +103,14 @@ class RouterState:
             self.in_flight.drop_replica(gone)
             del self.replicas[gone]
         for new in live - set(self.replicas):
-            self.replicas[new] = ReplicaLoad()
+            self.replicas[new] = self._new_replica()
+
+    def _new_replica(self) -> ReplicaLoad:
+        """A replica the router lists from now on. In exact mode the router knows nothing of
+        its cache until its events arrive from the first one (seq 0), so it asks for the
+        snapshot at the replica's next report: one that was registered after its first events
+        (dropped while it was not listed) and stays idle would otherwise stay unknown."""
+        return ReplicaLoad(needs_snapshot=self.exact)
 
     def route(
         self,
@@ -115,7 +122,7 @@ class RouterState:
         names = list(candidates) if candidates is not None else list(self.replicas)
         for name in names:
             if name not in self.replicas:
-                self.replicas[name] = ReplicaLoad()
+                self.replicas[name] = self._new_replica()
         tokens = np.asarray(token_ids, dtype=np.int32)
         matched = self.tree.match(tokens, extra_key)
         if self._host_tier_replicas:
@@ -180,15 +187,16 @@ class RouterState:
         Events that do not follow on from the last one seen (the router restarted, the replica
         was registered after it began, or events were lost) drop the replica's entries; what
         follows is applied, and the snapshot is asked for until its ``CLEARED`` arrives.
-        Events of a replica the router does not list are ignored."""
+        Events of a replica the router does not list are ignored; once listed, it is asked for
+        the snapshot unless its events begin at the first one (`_new_replica`)."""
         if not self.exact or replica not in self.replicas:
             return False
         state = self.replicas[replica]
         for event in events:
             if event.seq <= state.last_event_seq:
                 continue
-            if event.kind is EventKind.CLEARED:
-                state.needs_snapshot = False
+            if event.kind is EventKind.CLEARED or event.seq == 0 == state.last_event_seq + 1:
+                state.needs_snapshot = False  # the whole cache, or its history from the start
             elif event.seq != state.last_event_seq + 1:
                 self.tree.drop_replica(replica)
                 self.tier_tree.drop_replica(replica)

@@ -192,3 +192,40 @@ def test_a_replica_snapshot_restores_what_a_restarted_router_lost() -> None:
     assert full.publish("a", snapshot) is False
     assert restarted.tree.holdings("a") == full.tree.holdings("a") != set()
     restarted.tree.check_integrity()
+
+
+def test_a_replica_listed_after_its_first_events_is_asked_for_its_cache() -> None:
+    # A replica's first events can reach the router before Serve lists the replica (they are
+    # ignored then); an idle replica sends no more, so only a snapshot tells the router what
+    # it holds.
+    buffer = EventBuffer()
+    cache = RadixCache(page_size=4, event_sink=buffer)
+    cache.insert(PROMPT, list(range(4, 68)))
+    state = RouterState(page_size=4)
+    state.set_replicas(["other"])
+    assert state.publish("late", buffer.drain()) is False  # not listed: nothing to ask yet
+    state.set_replicas(["other", "late"])
+    assert state.publish("late", []) is True  # its next heartbeat asks for the cache
+    cache.publish_snapshot()
+    assert state.publish("late", buffer.drain()) is False
+    assert state.route(PROMPT + [7, 8, 9, 10]).replica == "late"
+    assert state.tree.match(np.asarray(PROMPT, dtype=np.int32)) == {"late": len(PROMPT)}
+    # an idle replica listed before any event is asked too (its snapshot: CLEARED alone)
+    assert state.publish("other", []) is True
+    RadixCache(page_size=4, event_sink=buffer).publish_snapshot()
+    assert state.publish("other", buffer.drain()) is False
+
+
+def test_a_replica_whose_events_begin_at_the_first_is_not_asked() -> None:
+    buffer = EventBuffer()
+    cache = RadixCache(page_size=4, event_sink=buffer)
+    state = RouterState(page_size=4)
+    state.set_replicas(["a"])
+    cache.insert(PROMPT, list(range(4, 68)))
+    assert state.publish("a", buffer.drain()) is False  # the history from its start
+    assert state.publish("a", []) is False
+    assert state.tree.match(np.asarray(PROMPT, dtype=np.int32)) == {"a": len(PROMPT)}
+    # the approximate router never asks
+    approx = RouterState(page_size=4, exact=False)
+    approx.set_replicas(["a"])
+    assert approx.publish("a", []) is False
