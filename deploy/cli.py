@@ -23,7 +23,7 @@ from pydantic import ValidationError
 
 from .config import AppConfig
 from .config_file import describe_error, load_yaml
-from .model_path import resolve_model_path
+from .model_path import prepare_in_background
 
 if TYPE_CHECKING:
     from ray.serve import Application
@@ -113,7 +113,7 @@ def serve_forever(config: AppConfig) -> None:
 
     _catch_stop_signals()
     logger.info("preparing the model %s", config.model)
-    resolve_model_path(config)  # the default model is converted here, once, with a progress bar
+    prepared = prepare_in_background(config)  # the default model is converted once (a progress bar)
     if config.address is None:
         check_port_free(config.host, config.port)
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a local, single-user instance
@@ -136,6 +136,7 @@ def serve_forever(config: AppConfig) -> None:
             logger.info("the ingress replica serves HTTP itself (direct ingress); Serve's "
                         "fallback proxy listens on port %d", proxy_port)
         serve.start(http_options={"host": config.host, "port": proxy_port})
+        prepared.result()
         app = build_app(config)
         logger.info("deploying %s engine replica(s) with tp=%d; the replicas load the model",
                     config.replicas if config.autoscaling is None else "autoscaled", config.tp)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -22,3 +24,27 @@ def resolve_model_path(config: AppConfig) -> str:
     if not (Path(config.model) / "config.json").is_file():
         raise FileNotFoundError(f"model folder {config.model!r} has no config.json")
     return config.model
+
+
+def prepare_in_background(config: AppConfig) -> Future[str]:
+    """`resolve_model_path(config)` on a thread, while Ray and Serve start, and the import of
+    transformers' config classes that building the app then needs: on 2 cores the two cost
+    4-5 s of imports (torch, transformers) that would otherwise come before Ray starts. A
+    folder without config.json is refused here at once, before anything starts."""
+    if config.model != DEFAULT_MODEL:
+        resolve_model_path(config)
+    future: Future[str] = Future()
+
+    def prepare() -> None:
+        try:
+            path = resolve_model_path(config)
+            from transformers import AutoConfig
+
+            AutoConfig.from_pretrained(path)
+        except BaseException as e:  # handed to the caller
+            future.set_exception(e)
+        else:
+            future.set_result(path)
+
+    threading.Thread(target=prepare, name="raydix-prepare-model", daemon=True).start()
+    return future

@@ -51,14 +51,14 @@ def convert_gguf(gguf_path: str | Path, cache_dir: str | Path = DEFAULT_CACHE_DI
     Does nothing when the folder is already there. Writes into a temporary folder first and
     renames it, so an interrupted conversion never leaves a half-written model behind.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     gguf_path = Path(gguf_path)
     if not gguf_path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {gguf_path}")
     target = converted_folder(gguf_path, Path(cache_dir))
     if (target / _DONE_MARKER).is_file():
-        return target
+        return target  # before importing transformers' models: 4 s of every server start
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     target.parent.mkdir(parents=True, exist_ok=True)
     stages = ["tokenizer", "dequantize weights", "write safetensors"]
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp, \

@@ -83,7 +83,8 @@ def test_paged_decode_builds_no_dense_kv_copy(kernel: paged_decode.Kernel) -> No
 def test_steps_after_warm_up_compile_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     """The graphs compiled at start serve the steps that follow, of any batch and length, with
     K and V as two tensors made outside inference mode (as the pool holds them) and the rest
-    made inside it (as a step makes them): no step waits for the compiler again."""
+    made inside it (as a step makes them): no step waits for the compiler again. (A batch or
+    key count of 1 runs the plain ops: the engine calls the kernel from 4 requests of 64 keys.)"""
     torch._dynamo.reset()  # no graph compiled by another test may serve these calls
     monkeypatch.setattr(paged_decode, "_compiled", None)
     hk, g, d = 3, 3, 8  # a batch of 3 (or 8) would equal a head size
