@@ -5,11 +5,16 @@ from __future__ import annotations
 import json
 import os
 import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from ray.serve import Application
 
+from raydix.deploy.config import AppConfig
+from raydix.deploy.server import EngineFactory
+from tests import uncompiled
 from tests.ray_start import init_ray
 from tests.tiny_models import copy_tokenizer, save_tiny_llama
 
@@ -24,6 +29,35 @@ NUM_FAKE_GPUS = 4
 # the graph at start (seconds; a cold compile takes ~15 s). test_cli.py's `raydix serve` test
 # keeps the default and checks that its replica runs the graph.
 NO_DECODE_GRAPH = True
+
+
+def uncompiled_app(config: AppConfig, engine_factory: EngineFactory = uncompiled.uncompiled_engine
+                   ) -> Application:
+    """The app for `config`, its engine replicas compiling nothing at start (tests/uncompiled.py:
+    neither the CPU decode graph nor the compiled decode attention, 6-7 s in each replica even
+    from inductor's cache). What these modules check does not depend on how a replica computes
+    decode attention; tests/workers checks the compiled code, and test_cli.py's `raydix serve`
+    test serves with both."""
+    from ray import cloudpickle
+
+    from raydix.deploy.app import bind_app
+
+    cloudpickle.register_pickle_by_value(uncompiled)  # replicas can't import tests
+    return bind_app(config, engine_factory=engine_factory)
+
+
+def delete_apps(*names: str, timeout_s: float = 60.0) -> None:
+    """Delete the apps together and return once Serve lists none of them, looking every 0.1 s
+    (`serve.delete` deletes one app at a time and looks once a second)."""
+    from ray import serve
+
+    for name in names:
+        serve.delete(name, _blocking=False)
+    deadline = time.monotonic() + timeout_s
+    while set(names) & set(serve.status().applications):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"apps {names} still listed {timeout_s:g} s after their delete")
+        time.sleep(0.1)
 
 
 @pytest.fixture(scope="module")

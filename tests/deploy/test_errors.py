@@ -12,7 +12,7 @@ import pytest
 
 from raydix.deploy.config import AppConfig
 
-from .conftest import MODEL_NAME, NO_DECODE_GRAPH, ServeCluster
+from .conftest import MODEL_NAME, NO_DECODE_GRAPH, ServeCluster, delete_apps, uncompiled_app
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -29,8 +29,6 @@ def server(serve_cluster: ServeCluster, smollm2: Path) -> Iterator[str]:
     from ray import serve
     from ray.serve.api import RunTarget
 
-    from raydix.deploy.app import build_app
-
     common = dict(model=str(smollm2), served_model_name=MODEL_NAME, device="cpu",
                   max_total_tokens=2048, cpu_threads=1,  # two apps on the 2 CPUs
                   disable_cpu_decode_graph=NO_DECODE_GRAPH)
@@ -39,11 +37,10 @@ def server(serve_cluster: ServeCluster, smollm2: Path) -> Iterator[str]:
                         **common)  # type: ignore[arg-type]
     tiny = AppConfig(max_running_requests=1, max_waiting_requests=0, max_context_len=512,
                      **common)  # type: ignore[arg-type]
-    serve.run_many([RunTarget(build_app(guarded), name="guarded", route_prefix="/"),
-                    RunTarget(build_app(tiny), name="tiny", route_prefix="/tiny")])
+    serve.run_many([RunTarget(uncompiled_app(guarded), name="guarded", route_prefix="/"),
+                    RunTarget(uncompiled_app(tiny), name="tiny", route_prefix="/tiny")])
     yield serve_cluster.base_url
-    serve.delete("guarded")
-    serve.delete("tiny")
+    delete_apps("guarded", "tiny")
 
 
 def post(url: str, body: object, headers: dict[str, str] | None = None) -> httpx.Response:

@@ -15,8 +15,9 @@ from raydix.deploy.engine_settings import engine_config
 from raydix.engine.engine import Engine
 from raydix.engine.request import GenerationParams
 from raydix.workers.step import SamplingParams
+from tests.uncompiled import uncompiled
 
-from .conftest import MODEL_NAME, NO_DECODE_GRAPH, ServeCluster
+from .conftest import MODEL_NAME, NO_DECODE_GRAPH, ServeCluster, delete_apps, uncompiled_app
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -33,11 +34,9 @@ def app_config(model: Path) -> AppConfig:
 def server(serve_cluster: ServeCluster, smollm2: Path) -> Iterator[ServeCluster]:
     from ray import serve
 
-    from raydix.deploy.app import build_app
-
-    serve.run(build_app(app_config(smollm2)), name="raydix", route_prefix="/")
+    serve.run(uncompiled_app(app_config(smollm2)), name="raydix", route_prefix="/")
     yield serve_cluster
-    serve.delete("raydix")
+    delete_apps("raydix")
 
 
 @pytest.fixture(scope="module")
@@ -48,8 +47,9 @@ def client(server: ServeCluster) -> openai.OpenAI:
 
 @pytest.fixture(scope="module")
 def engine(smollm2: Path) -> Engine:
-    """An in-process engine over the same folder and settings, as the reference."""
-    config = engine_config(app_config(smollm2), str(smollm2), "cpu")
+    """An in-process engine over the same folder and settings, computing as the replica does
+    (nothing compiled), as the reference."""
+    config = uncompiled(engine_config(app_config(smollm2), str(smollm2), "cpu"))
     return Engine(config, tokenizer=AutoTokenizer.from_pretrained(smollm2))
 
 

@@ -14,7 +14,7 @@ from raydix.deploy.config import AppConfig
 from raydix.deploy.cpu_threads import THREADS_ON_SMALL_MACHINES, default_cpu_threads
 from raydix.deploy.replica_facts import ReplicaFacts
 
-from .conftest import MODEL_NAME, NO_DECODE_GRAPH, ServeCluster
+from .conftest import MODEL_NAME, NO_DECODE_GRAPH, ServeCluster, delete_apps, uncompiled_app
 
 APP = "threads"
 
@@ -42,14 +42,12 @@ def test_replicas_share_the_cores_and_other_ranks_refuse_the_setting() -> None:
 def server(serve_cluster: ServeCluster, tiny_llama: Path) -> Iterator[str]:
     from ray import serve
 
-    from raydix.deploy.app import build_app
-
     config = AppConfig(model=str(tiny_llama), served_model_name=MODEL_NAME, device="cpu",
                        max_total_tokens=2048, max_context_len=256, cpu_threads=2,
                        disable_cpu_decode_graph=NO_DECODE_GRAPH)
-    serve.run(build_app(config), name=APP, route_prefix="/")
+    serve.run(uncompiled_app(config), name=APP, route_prefix="/")
     yield serve_cluster.base_url
-    serve.delete(APP)
+    delete_apps(APP)
 
 
 @pytest.mark.ray

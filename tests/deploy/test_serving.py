@@ -17,8 +17,9 @@ from raydix.deploy.config import AppConfig
 from raydix.deploy.server import ReplicaSettings
 from raydix.engine.config import EngineConfig
 from raydix.engine.engine import Engine
+from tests import uncompiled
 
-from .conftest import MODEL_NAME, NO_DECODE_GRAPH, ServeCluster
+from .conftest import MODEL_NAME, NO_DECODE_GRAPH, ServeCluster, delete_apps, uncompiled_app
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -27,11 +28,10 @@ APP = "serving"
 
 def checked_engine(config: EngineConfig, settings: ReplicaSettings,
                    event_sink: EventSink | None = None) -> Engine:
-    """The default engine, checking the KV cache's integrity after every step (a broken
-    invariant stops the engine loop, and the requests in flight fail)."""
-    from raydix.deploy.server import build_engine
-
-    engine = build_engine(config, settings, event_sink)
+    """The default engine, compiling nothing at start (tests/uncompiled.py), checking the KV
+    cache's integrity after every step (a broken invariant stops the engine loop, and the
+    requests in flight fail)."""
+    engine = uncompiled.uncompiled_engine(config, settings, event_sink)
     engine.step_hook = lambda scheduler: scheduler.cache.check_integrity()
     return engine
 
@@ -40,15 +40,13 @@ def checked_engine(config: EngineConfig, settings: ReplicaSettings,
 def server(serve_cluster: ServeCluster, smollm2: Path) -> Iterator[str]:
     from ray import cloudpickle, serve
 
-    from raydix.deploy.app import bind_app
-
     cloudpickle.register_pickle_by_value(sys.modules[__name__])  # replicas can't import tests
     config = AppConfig(model=str(smollm2), served_model_name=MODEL_NAME, device="cpu",
                        max_total_tokens=8192, max_running_requests=64, max_context_len=1024,
                        debug_cache_audit=True, disable_cpu_decode_graph=NO_DECODE_GRAPH)
-    serve.run(bind_app(config, engine_factory=checked_engine), name=APP, route_prefix="/")
+    serve.run(uncompiled_app(config, checked_engine), name=APP, route_prefix="/")
     yield serve_cluster.base_url
-    serve.delete(APP)
+    delete_apps(APP)
 
 
 def engine_stats() -> object:

@@ -21,7 +21,7 @@ from pydantic import BaseModel, Field
 
 from raydix.deploy.config import AppConfig
 
-from .conftest import MODEL_NAME, NO_DECODE_GRAPH, ServeCluster
+from .conftest import MODEL_NAME, NO_DECODE_GRAPH, ServeCluster, delete_apps, uncompiled_app
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -32,14 +32,12 @@ MESSAGES = [{"role": "user", "content": "Describe a person."}]
 def server(serve_cluster: ServeCluster, tiny_llama: Path) -> Iterator[ServeCluster]:
     from ray import serve
 
-    from raydix.deploy.app import build_app
-
     config = AppConfig(model=str(tiny_llama), served_model_name=MODEL_NAME, device="cpu",
                        max_total_tokens=8192, max_running_requests=16, max_context_len=512,
                        disable_cpu_decode_graph=NO_DECODE_GRAPH)
-    serve.run(build_app(config), name="structured", route_prefix="/")
+    serve.run(uncompiled_app(config), name="structured", route_prefix="/")
     yield serve_cluster
-    serve.delete("structured")
+    delete_apps("structured")
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from raydix.engine.engine import Engine
 from raydix.engine.request import GenerationParams
 from tests import uncompiled
 
-from .conftest import MODEL_NAME, NUM_FAKE_GPUS, ServeCluster
+from .conftest import MODEL_NAME, NUM_FAKE_GPUS, ServeCluster, delete_apps
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -49,7 +49,7 @@ def server(serve_cluster: ServeCluster, tiny_llama: Path) -> Iterator[str]:
     serve.run(bind_app(app_config(tiny_llama), engine_factory=uncompiled.uncompiled_engine),
               name=APP, route_prefix="/")
     yield serve_cluster.base_url
-    serve.delete(APP)
+    delete_apps(APP)
 
 
 def test_replicas_hold_their_gpu_bundles(server: str) -> None:
