@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -11,6 +11,7 @@ import pytest
 from raydix.engine.config import EngineConfig, SchedulerConfig
 from raydix.engine.engine import Engine
 from raydix.workers.config import WorkerConfig
+from tests.ray_start import init_ray
 from tests.tiny_models import TOKENIZER_FILES, copy_tokenizer, save_tiny_llama
 
 VOCAB = 128
@@ -26,6 +27,18 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 EngineFactory = Callable[..., Engine]
+
+
+@pytest.fixture(scope="package")
+def ray_cluster() -> Iterator[None]:
+    """One local Ray with 2 fake GPUs for the TP modules of this package (test_engine_tp.py,
+    test_engine_hicache_tp.py): a start and a stop take 5-10 s on 2 cores. Each test shuts its
+    engines down, which frees their ranks and placement groups."""
+    import ray
+
+    init_ray(num_cpus=2, num_gpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
 
 
 @pytest.fixture

@@ -4,15 +4,11 @@ in the same step, so the outputs equal the tier-off engine's at TP=1, and nothin
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from pathlib import Path
-
-from tests.ray_start import init_ray
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 import pytest
-import ray
 
 from tests.engine.test_engine_hicache import (
     assert_same_outputs,
@@ -23,13 +19,6 @@ from tests.engine.test_engine_hicache import (
 )
 
 pytestmark = pytest.mark.ray
-
-
-@pytest.fixture(scope="module")
-def ray_cluster() -> Iterator[None]:
-    init_ray(num_cpus=2, num_gpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 def test_tp2_host_tier_equals_tp1_tier_off(ray_cluster: None, tiny_llama: Path) -> None:

@@ -5,16 +5,12 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
 from pathlib import Path
-
-from tests.ray_start import init_ray
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 import jsonschema
 import pytest
-import ray
 from transformers import AutoTokenizer
 
 from raydix.cluster.ray_executor import make_executor
@@ -27,13 +23,6 @@ from tests.engine.conftest import TOK_EOS, random_prompts
 from tests.engine.test_grammar import SCHEMA, json_params, prompts_of
 
 pytestmark = pytest.mark.ray
-
-
-@pytest.fixture(scope="module")
-def ray_cluster() -> Iterator[None]:
-    init_ray(num_cpus=2, num_gpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 def _engine(model: Path, tp_size: int, **sched: object) -> Engine:

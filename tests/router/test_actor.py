@@ -6,8 +6,6 @@ import os
 import time
 from collections.abc import Iterator
 
-from tests.ray_start import init_ray
-
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 import pytest
@@ -18,13 +16,6 @@ from raydix.router.actor import get_or_create_router, get_router
 from raydix.router.lifetime import RouterLifetimeConfig
 
 pytestmark = pytest.mark.ray
-
-
-@pytest.fixture(scope="module")
-def ray_local() -> Iterator[None]:
-    init_ray(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 def test_router_actor_routes_by_published_events(ray_local: None) -> None:

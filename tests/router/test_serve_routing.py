@@ -19,8 +19,6 @@ from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
 
-from tests.ray_start import init_ray
-
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -131,14 +129,12 @@ class Cluster:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+def cluster(ray_local: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """The package's Ray (conftest.py: one logical CPU per replica, 3 then 4; Ray's CPUs are
+    only a count on this machine), Serve on it, and the app with 3 replicas."""
     from ray import cloudpickle, serve
 
-    if ray.is_initialized():
-        raise RuntimeError("another Ray instance is running in this process")
     model = tiny_model(tmp_path_factory.mktemp("tiny-words"))
-    # one logical CPU per replica (3, then 4): Ray's CPUs are only a count on this machine
-    init_ray(address="local", num_cpus=5, num_gpus=4, include_dashboard=False, log_to_driver=False)
     cloudpickle.register_pickle_by_value(sys.modules[__name__])  # replicas can't import tests
     try:
         port = _free_port()
@@ -148,7 +144,6 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         yield c
     finally:
         serve.shutdown()
-        ray.shutdown()
 
 
 def _free_port() -> int:
