@@ -5,7 +5,8 @@ history, not the replicas' caches) and reads the prompt's text from a ``prompt``
 field of the request. raydix's engine deployment is called with the prompt's token ids instead,
 so this subclass hands Ray's tree one character per token id: its matches are then exact token by
 token, as raydix's tree, and nothing else of Ray's policy changes (its load check, its match-rate
-threshold, its smallest-tenant choice for cold prompts, and its never-evicting default).
+threshold, its smallest-tenant choice for cold prompts, and its never-evicting default); only
+which waiting request gets the chosen replica is raydix's, as for the cache-aware router.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router i
     PrefixCacheAffinityRouter,
 )
 from ray.serve.request_router import PendingRequest
+
+from .request_matching import OwnRequestRouter
 
 # token id t becomes chr(t + OFFSET): above the basic plane, so no id lands on a surrogate
 OFFSET = 0x10000
@@ -30,7 +33,10 @@ def token_text(token_ids: Sequence[int]) -> str:
     return "".join(chr(int(t) + OFFSET) for t in token_ids)
 
 
-class RayPrefixAffinityRouter(PrefixCacheAffinityRouter):
+class RayPrefixAffinityRouter(OwnRequestRouter, PrefixCacheAffinityRouter):
+    """Ray's policy, with each request given the replica chosen for it (`request_matching.py`):
+    with Serve's default matching the second engine call of an n=2 request waited for ever."""
+
     def _extract_text_from_request(self, pending_request: PendingRequest) -> str:
         """The prompt's token ids (the first argument of ``EngineServer.generate``) as text."""
         args = pending_request.args

@@ -175,3 +175,53 @@ def test_cache_aware_gives_each_request_the_replica_chosen_for_it(
         return [r.replica_id.unique_id for r in routed], len(router._pending_by_metadata)
 
     assert asyncio.run(run()) == (["r1", "r2"], 0)
+
+
+def test_ray_prefix_router_gives_each_call_of_one_api_request_its_own_replica(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The bench's baseline (Ray Serve LLM's prefix router) matches like the cache-aware one:
+    two engine calls of one n=2 request share Serve's internal request id, and with Serve's
+    default matching the newer call's replica went to the older call and the newer one
+    waited for ever. Ray's tree is stood in for by a choice per prompt (r1 for [1, ...] after
+    0.2 s, r2 for [7, ...] at once), so the newer call is decided first."""
+    from raydix.router.ray_prefix import RayPrefixAffinityRouter
+
+    async def best(self: object, pending: PendingRequest, candidates: list[FakeReplica]
+                   ) -> list[list[FakeReplica]]:
+        first = int(pending.args[0][0])
+        await asyncio.sleep(0.2 if first == 1 else 0.0)
+        wanted = {1: "r1", 7: "r2"}[first]
+        return [[r for r in candidates if r.replica_id.unique_id == wanted]]
+
+    monkeypatch.setattr(RayPrefixAffinityRouter, "_prefix_match_best_replicas", best)
+
+    class FakeTree:  # Ray's tree actor: replicas join it as tenants
+        class AddTenants:
+            def remote(self, *args: object) -> None:
+                return None
+
+        add_tenants = AddTenants()
+
+    monkeypatch.setattr(ray, "get", lambda value: value)  # the fake's answers are plain values
+
+    class LocatedReplica(QueuedReplica):  # what Ray's locality and multiplex mixins read
+        multiplexed_model_ids: frozenset[str] = frozenset()
+        node_id = ""
+        availability_zone = None
+
+    async def run() -> list[str]:
+        router = RayPrefixAffinityRouter(deployment_id=DEPLOYMENT,
+                                         handle_source=DeploymentHandleSource.UNKNOWN)
+        router.initialize_state(tree_actor=FakeTree())  # type: ignore[arg-type]
+        router.update_replicas([LocatedReplica(u) for u in ("r0", "r1", "r2")])  # type: ignore[list-item]
+        older, newer = (
+            PendingRequest(args=[prompt, None], kwargs={},
+                           metadata=RequestMetadata(f"call-{prompt[0]}", "api-1"))
+            for prompt in ([1, 2, 3], [7, 8, 9]))
+        routed = await asyncio.wait_for(asyncio.gather(
+            router._choose_replica_for_request(older),
+            router._choose_replica_for_request(newer)), timeout=5.0)
+        return [r.replica_id.unique_id for r in routed]
+
+    assert asyncio.run(run()) == ["r1", "r2"]
