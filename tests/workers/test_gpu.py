@@ -11,6 +11,7 @@ from raydix.workers.config import WorkerConfig
 from raydix.workers.worker import TPWorker
 
 from .driver import run_greedy, scenario
+from .greedy_agreement import assert_greedy_agrees
 from .tp_group import probe_plan
 
 pytestmark = [pytest.mark.gpu,
@@ -42,9 +43,9 @@ def test_flashinfer_matches_torch_backend(gpu_model: Path) -> None:
     for mode in ("whole", "chunked", "prefix"):
         ref = run_greedy(torch_worker.step, scenario(mode, PROMPTS, 8))
         got = run_greedy(fi_worker.step, scenario(mode, PROMPTS, 8))
-        # bf16 kernels differ in rounding: require most tokens to agree
-        same = sum(x == y for r, g in zip(ref, got, strict=True) for x, y in zip(r, g, strict=True))
-        assert same >= 0.8 * 24, (mode, ref, got)
+        # bf16 kernels differ in rounding: tokens may part only at a near tie (on an H100 the
+        # prefix case parted at its third token, where the two paths picked 309 and 137)
+        assert_greedy_agrees(torch_worker, PROMPTS, ref, got)
 
 
 def test_cuda_graph_decode_matches_eager(gpu_model: Path) -> None:
