@@ -168,7 +168,7 @@ def render_engine(stats: Sequence[ReplicaStats]) -> str:
 
 def render_router(stats: Mapping[str, float]) -> str:
     """The router actor's series (`RouterActor.stats`): decision latency quantiles, the size of
-    its tree, and per replica the requests sent to it and the share of their prompt tokens it
+    its tree, the requests on their way to a replica, and per replica the requests sent to it and the share of their prompt tokens it
     already held."""
     name = "raydix_router_decision_latency_us"
     lines = [f"# HELP {name} time of one routing decision in the router actor",
@@ -178,6 +178,9 @@ def render_router(stats: Mapping[str, float]) -> str:
     name = "raydix_router_tree_tokens"
     lines += [f"# HELP {name} tokens in the router's global prefix tree", f"# TYPE {name} gauge",
               f"{name} {float(stats.get('tree_tokens', 0.0))}"]
+    name = "raydix_router_requests_in_transit"
+    lines += [f"# HELP {name} requests routed that no replica has reported receiving yet",
+              f"# TYPE {name} gauge", f"{name} {float(stats.get('in_transit', 0.0))}"]
     for name, kind, key, help_text in (
             ("raydix_router_hit_rate", "gauge", "hit_rate",
              "prompt tokens the chosen replica held / prompt tokens routed to it"),

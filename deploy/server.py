@@ -201,7 +201,10 @@ class EngineServer:
             self._reporter = loop.create_task(report_loop(self.stats, local_handle(stats_board)))
         self._router_reporter: asyncio.Task[None] | None = None
         self._kv_capacity = 0
+        # ids of the requests received since the last load read (None: no router to tell)
+        self._received: list[str] | None = None
         if routing is not None:
+            self._received = []
             self._kv_capacity = self.engine.engine.cache_stats().kv_capacity
             get_router = functools.partial(
                 get_or_create_router, _app_name(), engine_config.scheduler.page_size, routing,
@@ -221,10 +224,16 @@ class EngineServer:
         a torn read is off by a step and the next report corrects it. Waiting includes the
         requests not yet taken by the engine, which is busy with a step."""
         running, waiting = self.engine.running_and_waiting()
-        return LoadReport(running, waiting, self.engine.metrics().token_usage, self._kv_capacity)
+        received: tuple[str, ...] = ()
+        if self._received:
+            received, self._received[:] = tuple(self._received), []
+        return LoadReport(running, waiting, self.engine.metrics().token_usage, self._kv_capacity,
+                          received)
 
     async def generate(self, prompt_ids: Sequence[int], params: GenerationParams,
                        rid: str) -> AsyncIterator[list[RequestOutput]]:
+        if self._received is not None:  # counted in the engine's waiting requests from here
+            self._received.append(rid)
         async for outputs in self.engine.generate(prompt_ids, params, rid):
             yield outputs
 

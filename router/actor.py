@@ -93,8 +93,9 @@ class RouterActor:
         token_ids: npt.NDArray[np.int32],
         extra_key: Hashable,
         candidates: Sequence[str],
+        request_id: str | None = None,
     ) -> RoutingDecision:
-        return self.state.route(token_ids, extra_key, candidates)
+        return self.state.route(token_ids, extra_key, candidates, request_id)
 
     def set_replicas(self, replicas: Sequence[str]) -> None:
         self.state.set_replicas(replicas)
@@ -106,21 +107,24 @@ class RouterActor:
 
     def report_load(
         self, replica: str, num_running: int, num_waiting: int, kv_usage: float,
-        kv_capacity: int = 0,
+        kv_capacity: int = 0, received: Sequence[str] = (),
     ) -> None:
         self._heard()
-        self.state.report_load(replica, num_running, num_waiting, kv_usage, kv_capacity)
+        self.state.report_load(replica, num_running, num_waiting, kv_usage, kv_capacity,
+                               received)
 
     def replica_ids(self) -> list[str]:
         """The replicas the router knows, in id order."""
         return sorted(str(r) for r in self.state.replicas)
 
     def stats(self) -> dict[str, float]:
-        """Decision latency, and per replica its decisions and hit rate, for /metrics."""
+        """Decision latency, tree size, requests routed and not yet received anywhere, and
+        per replica its decisions and hit rate, for /metrics."""
         out = {
             "decision_p50_us": self.state.stats.percentile_us(50),
             "decision_p99_us": self.state.stats.percentile_us(99),
             "tree_tokens": float(self.state.tree.num_tokens),
+            "in_transit": float(len(self.state.in_transit)),
         }
         for name, load in self.state.replicas.items():
             out[f"decisions:{name}"] = float(load.decisions)

@@ -8,9 +8,11 @@ decision is also recorded here, as "``replica`` will hold this prompt", until:
 - the replica's events show it holds at least that much of the prompt (``confirm``);
 - or ``ttl_s`` passes (the request failed, was rejected, or the events were lost);
 - or the replica reports that it runs and queues nothing, ``idle_grace_s`` after the decision
-  (``drop_stale``): the request never reached it (Serve sent it to another replica because
-  the chosen one was full or slow to answer) or failed; counted for the whole ``ttl_s``, its
-  tokens would keep the replica looking busy and holding a prompt it never saw;
+  (``drop_stale``), unless the request is known to be still on its way (``transit.py``): it
+  came and failed, or never reached it (Serve sent it to another replica because the chosen
+  one was full or slow to answer); counted for the whole ``ttl_s``, its tokens would keep the
+  replica looking busy and holding a prompt it never saw;
+- or another replica reports receiving the request, or it is routed again (``remove``);
 - or the replica leaves (``drop_replica``);
 - or ``max_entries`` newer decisions push it out.
 
@@ -70,13 +72,13 @@ class InFlightPrefixes:
         return len(self._entries)
 
     def add(self, replica: ReplicaId, token_ids: npt.NDArray[np.int32],
-            extra_key: Hashable = None, cost: float = 0.0) -> None:
+            extra_key: Hashable = None, cost: float = 0.0) -> _Entry | None:
         """``replica`` was sent this prompt: it will hold its page-aligned part, after
-        computing ``cost`` prompt tokens."""
+        computing ``cost`` prompt tokens. Returns the entry (None: no whole page to hold)."""
         page = self._tree.page_size
         aligned = token_ids[: len(token_ids) // page * page]
         if not len(aligned):
-            return
+            return None
         entry = (replica, next(self._ids))
         self._tree.insert(entry, aligned, extra_key)
         self._entries[entry] = (aligned, extra_key)
@@ -90,6 +92,12 @@ class InFlightPrefixes:
             _, oldest = self._deadlines.popleft()
             if oldest in self._entries:
                 self._remove(oldest)
+        return entry
+
+    def remove(self, entry: Hashable) -> None:
+        """Drop one decision (its request went to another replica); gone already: nothing."""
+        if entry in self._entries:
+            self._remove(entry)
 
     def match(self, token_ids: npt.NDArray[np.int32],
               extra_key: Hashable = None) -> dict[ReplicaId, int]:
@@ -128,12 +136,14 @@ class InFlightPrefixes:
         in ``match``, when that runs)."""
         return self._backlog.get(replica, 0.0)
 
-    def drop_stale(self, replica: ReplicaId, idle_grace_s: float) -> None:
+    def drop_stale(self, replica: ReplicaId, idle_grace_s: float,
+                   in_transit: Callable[[Hashable], bool] = lambda entry: False) -> None:
         """``replica`` reported no running and no waiting request: its entries older than
-        ``idle_grace_s`` (time for the request to reach it) will never be confirmed."""
+        ``idle_grace_s`` (time for the request to reach it) will never be confirmed, except
+        those whose request is known to be still on its way (``in_transit``)."""
         before = self._clock() - idle_grace_s
         for entry in list(self._by_replica.get(replica, ())):
-            if self._added[entry] <= before:
+            if self._added[entry] <= before and not in_transit(entry):
                 self._remove(entry)
 
     def drop_replica(self, replica: ReplicaId) -> None:

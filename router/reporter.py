@@ -7,8 +7,9 @@ from one caller reach an actor in order, so events arrive in sequence.
 The load goes when its request counts changed or its KV usage moved by ``KV_USAGE_STEP`` since
 the last report (a stream's every token moves it a little: reporting each costs the replica
 more than the router gains), with every batch of events, and at least every ``heartbeat_s``
-(the router counts requests routed since the last load report). The router answers each batch of events (an empty batch at
-least every ``heartbeat_s``) with
+(the router counts requests routed since the last load report). A load read also carries the
+ids of the requests received since the previous read; a read with any is sent at once. The
+router answers each batch of events (an empty batch at least every ``heartbeat_s``) with
 whether it needs this replica's snapshot: after a router restart, a late registration or lost
 events, it no longer knows what the replica holds. The reporter then has the engine send its
 whole cache again (``publish_snapshot``, at most once per ``snapshot_interval_s``), which
@@ -47,6 +48,8 @@ class LoadReport(NamedTuple):
     num_waiting: int
     kv_usage: float
     kv_capacity: int = 0  # the KV pool's tokens (0: not known)
+    # the ids of the requests received since the last read (the router's `RequestsInTransit`)
+    received: tuple[str, ...] = ()
 
 
 class ReplicaReporter:
@@ -101,7 +104,7 @@ class ReplicaReporter:
     def _moved(self, load: LoadReport) -> bool:
         """The load differs from the last one sent in a way the routing policy would notice."""
         last = self._last_load
-        return (last is None or load.num_running != last.num_running
+        return (last is None or bool(load.received) or load.num_running != last.num_running
                 or load.num_waiting != last.num_waiting or load.kv_capacity != last.kv_capacity
                 or abs(load.kv_usage - last.kv_usage) >= KV_USAGE_STEP)
 

@@ -94,7 +94,8 @@ class CacheAwareRequestRouter(OwnRequestRouter):
         prompt = _prompt_ids(pending_request)
         if prompt is not None:
             by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
-            chosen = await self._ask_router(prompt, _extra_key(pending_request), list(by_id))
+            chosen = await self._ask_router(prompt, _extra_key(pending_request), list(by_id),
+                                            _request_id(pending_request))
             if chosen is not None and chosen in by_id:
                 first = by_id[chosen]
                 others = [r for r in candidate_replicas if r is not first]
@@ -103,11 +104,12 @@ class CacheAwareRequestRouter(OwnRequestRouter):
         return [self._power_of_two(candidate_replicas)]
 
     async def _ask_router(
-        self, prompt: np.ndarray, extra_key: object, candidates: list[str]
+        self, prompt: np.ndarray, extra_key: object, candidates: list[str],
+        request_id: str | None = None,
     ) -> str | None:
         try:
             ref: ObjectRef[RoutingDecision] = self._router_actor().route.remote(
-                prompt, extra_key, candidates)
+                prompt, extra_key, candidates, request_id)
             decision = await asyncio.wait_for(ref, self._decision_timeout_s)
         except (asyncio.TimeoutError, ValueError, ray.exceptions.RayError) as exc:
             logger.debug("router actor unavailable (%s); routing by load", exc)
@@ -150,6 +152,14 @@ def _prompt_ids(pending: PendingRequest | None) -> np.ndarray | None:
     if isinstance(first, (list, tuple, np.ndarray)) and len(first):
         return np.asarray(first, dtype=np.int32)
     return None
+
+
+def _request_id(pending: PendingRequest | None) -> str | None:
+    """The engine request's id (`EngineServer.generate`'s third argument), which the replica
+    that receives it reports back to the router."""
+    if pending is None or len(pending.args) < 3 or not isinstance(pending.args[2], str):
+        return None
+    return pending.args[2]
 
 
 def _extra_key(pending: PendingRequest | None) -> object:

@@ -6,10 +6,13 @@ that arrive together follow the first one. Approximate mode (events off) records
 decision in the tree instead, capped at ``max_approx_tokens`` with LRU eviction.
 
 A replica's load is its running plus waiting requests as of its last load report, plus the
-requests routed to it since that report, so a burst routed between two reports is not invisible.
-Counting from the last report (rather than all routed minus all received) keeps no error for
-good: a request that Serve sent elsewhere than the router chose (the chosen replica was full or
-slow to answer) counts only until the next report, which replicas send at least every second.
+requests routed to it that it has not reported receiving (``RequestsInTransit``: decisions made
+with the request's id, until a replica reports that id), plus those routed without an id since
+its last report. So a burst routed between two reports is not invisible, nor is a request that
+takes longer than a report period to arrive; and a request that Serve sent elsewhere than the
+router chose (the chosen replica was full or slow to answer) leaves the chosen one's count as
+soon as the replica that got it reports it. Without an id that takes until the chosen one's next
+report, which replicas send at least every second.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from raydix.cache import CacheEvent, EventKind
 from .in_flight import InFlightPrefixes
 from .policy import CacheAwarePolicy, Fullness, RoutingDecision, RoutingPolicyConfig
 from .tier_tree import TierTree
+from .transit import RequestsInTransit
 from .tree import GlobalPrefixTree
 from .ttft_policy import ExpectedTTFTPolicy
 
@@ -38,7 +42,7 @@ _HOST_EVENTS = (EventKind.HOST_INSERTED, EventKind.HOST_EVICTED)
 class ReplicaLoad:
     num_running: int = 0
     fullness: Fullness = NOT_FULL  # waiting requests and KV usage, as last reported
-    num_unreported: int = 0  # requests routed to it since its last load report
+    num_unreported: int = 0  # requests routed to it without an id since its last report
     last_event_seq: int = -1
     needs_snapshot: bool = False  # its events stopped following on; see `RouterState.publish`
     kv_capacity: int = 0  # its KV pool's tokens, as last reported (0: not known)
@@ -46,9 +50,9 @@ class ReplicaLoad:
     hit_tokens: int = 0
     prompt_tokens: int = 0
 
-    @property
-    def load(self) -> float:
-        return self.num_running + self.fullness.num_waiting + self.num_unreported
+    def load(self, in_transit: int) -> float:
+        """With `in_transit` requests routed to it by id and not received yet."""
+        return self.num_running + self.fullness.num_waiting + self.num_unreported + in_transit
 
 
 @dataclass
@@ -84,6 +88,7 @@ class RouterState:
         self.tier_tree = TierTree(page_size)  # device or host tier (tier_tree.py)
         self._host_tier_replicas: set[ReplicaId] = set()  # those that sent host-tier events
         self.in_flight = InFlightPrefixes(page_size, in_flight_ttl_s, clock=clock)
+        self.in_transit = RequestsInTransit(in_flight_ttl_s, clock=clock)
         self.policy = CacheAwarePolicy(policy)  # its config: the settings of either mode
         self.ttft_policy = ExpectedTTFTPolicy(self.policy.config.request_cost_tokens,
                                               self.policy.config.miss_cost)
@@ -101,6 +106,7 @@ class RouterState:
             self.tier_tree.drop_replica(gone)
             self._host_tier_replicas.discard(gone)
             self.in_flight.drop_replica(gone)
+            self.in_transit.drop_replica(gone)
             del self.replicas[gone]
         for new in live - set(self.replicas):
             self.replicas[new] = self._new_replica()
@@ -117,8 +123,12 @@ class RouterState:
         token_ids: npt.ArrayLike,
         extra_key: Hashable = None,
         candidates: Sequence[ReplicaId] | None = None,
+        request_id: str | None = None,
     ) -> RoutingDecision:
+        """`request_id`: the request's own id, which the replica that receives it reports
+        (`RequestsInTransit`); None: counted until the chosen replica's next load report."""
         start = time.perf_counter_ns()
+        self.in_transit.expire()
         names = list(candidates) if candidates is not None else list(self.replicas)
         for name in names:
             if name not in self.replicas:
@@ -135,23 +145,34 @@ class RouterState:
             loads, backlog, free = self._ttft_inputs(names)
             decision = self.ttft_policy.choose(names, len(tokens), matched, loads, backlog, free)
         else:
-            loads = {name: self.replicas[name].load for name in names}
+            count = self.in_transit.count
+            loads = {name: self.replicas[name].load(count(name)) for name in names}
             fullness = {name: self.replicas[name].fullness for name in names}
             decision = self.policy.choose(names, len(tokens), matched, loads, fullness)
         chosen = self.replicas[decision.replica]
-        chosen.num_unreported += 1
         chosen.decisions += 1
         chosen.prompt_tokens += len(tokens)
         chosen.hit_tokens += decision.matched_len
+        entry = None
         if self.exact:
-            self.in_flight.add(decision.replica, tokens, extra_key,
-                               cost=len(tokens) - decision.matched_len)
+            entry = self.in_flight.add(decision.replica, tokens, extra_key,
+                                       cost=len(tokens) - decision.matched_len)
+        if request_id is None:
+            chosen.num_unreported += 1
         else:
+            replaced = self.in_transit.add(request_id, decision.replica, entry)
+            if replaced is not None:  # routed again: the earlier choice will not see it
+                self.in_flight.remove(replaced)
+        if not self.exact:
             aligned = len(tokens) // self.tree.page_size * self.tree.page_size
             self.tree.insert(decision.replica, tokens[:aligned], extra_key)
             self.tree.evict_lru(self.max_approx_tokens)
         self.stats.record(time.perf_counter_ns() - start)
         return decision
+
+    def load(self, replica: ReplicaId) -> float:
+        """Its running and waiting requests as reported, and those routed to it since."""
+        return self.replicas[replica].load(self.in_transit.count(replica))
 
     def _ttft_inputs(self, names: Sequence[ReplicaId]
                      ) -> tuple[dict[ReplicaId, float], dict[ReplicaId, float],
@@ -162,9 +183,11 @@ class RouterState:
         backlogs: dict[ReplicaId, float] = {}
         free: dict[ReplicaId, float] = {}
         backlog_of, held_of = self.in_flight.backlog, self.tree.held_tokens
+        in_transit = self.in_transit.count
         for name in names:
             state = self.replicas[name]
-            loads[name] = state.num_running + state.fullness.num_waiting + state.num_unreported
+            loads[name] = (state.num_running + state.fullness.num_waiting + state.num_unreported
+                           + in_transit(name))
             b = backlogs[name] = backlog_of(name)
             if state.kv_capacity:
                 free[name] = state.kv_capacity - held_of(name) - b
@@ -221,7 +244,12 @@ class RouterState:
         num_waiting: int,
         kv_usage: float,
         kv_capacity: int = 0,
+        received: Sequence[str] = (),
     ) -> None:
+        """The replica's counts, and the ids of the requests it received since its last
+        report (they count in its running and waiting requests from now on)."""
+        for entry in self.in_transit.received(replica, received):
+            self.in_flight.remove(entry)  # routed to another replica, which never saw it
         state = self.replicas.get(replica)
         if state is None:
             return
@@ -231,4 +259,4 @@ class RouterState:
         state.fullness = Fullness(num_waiting, kv_usage)
         state.num_unreported = 0
         if self.exact and num_running == 0 and num_waiting == 0:
-            self.in_flight.drop_stale(replica, IDLE_GRACE_S)
+            self.in_flight.drop_stale(replica, IDLE_GRACE_S, self.in_transit.holds)

@@ -37,7 +37,7 @@ def test_a_request_that_came_and_went_between_reads_still_brings_a_load_report()
     cache.insert([5, 6, 7], [1, 2, 3])  # a request was computed; the load reads idle again
     reporter.report_once()
     assert [name for name, _ in router.calls] == ["publish", "report_load"]
-    assert router.calls[1][1] == ("r0", 0, 0, 0.0, 4096)
+    assert router.calls[1][1] == ("r0", 0, 0, 0.0, 4096, ())
 
 
 def test_a_stream_growing_its_kv_sends_a_load_report_per_step_of_usage_not_per_token() -> None:
@@ -59,3 +59,15 @@ def test_a_stream_growing_its_kv_sends_a_load_report_per_step_of_usage_not_per_t
     load = load._replace(num_waiting=1)  # a request queued: at once
     reporter.report_once()
     assert router.calls == [("report_load", ("r0", *load))]
+
+
+def test_received_request_ids_go_at_once_though_the_counts_did_not_change() -> None:
+    router = _Router()
+    load = LoadReport(1, 0, 0.5, 4096)
+    reporter = ReplicaReporter(router, "r0", lambda: (), lambda: load,  # type: ignore[arg-type]
+                               heartbeat_s=60.0)
+    reporter.report_once()
+    router.calls.clear()
+    load = LoadReport(1, 0, 0.5, 4096, ("rid-1",))  # one came, one left: the same counts
+    reporter.report_once()
+    assert router.calls == [("report_load", ("r0", 1, 0, 0.5, 4096, ("rid-1",)))]

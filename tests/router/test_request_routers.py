@@ -50,7 +50,7 @@ def test_round_robin_takes_replicas_in_turn() -> None:
 
 
 class FakePending:
-    args = ([5, 6, 7, 8], None)
+    args = ([5, 6, 7, 8], None, "rid-5")  # EngineServer.generate's prompt, params, request id
 
 
 def route_twice(decision_timeout_s: float) -> tuple[list[list[str]], int]:
@@ -99,8 +99,11 @@ def test_cache_aware_offers_the_chosen_replica_first_then_the_others(
     async def decided() -> Decision:
         return Decision()
 
+    asked: list[tuple[object, ...]] = []
+
     class FakeRoute:
         def remote(self, *args: object) -> object:
+            asked.append(args)
             return decided()
 
     class FakeActor:
@@ -111,6 +114,8 @@ def test_cache_aware_offers_the_chosen_replica_first_then_the_others(
     assert num_fallbacks == 0
     assert chosen == [["r1"]] * HOLDER_TRIES + [["r0", "r2"]]
     assert HOLDER_TRIES >= 2
+    # the request's id goes with it: the replica that receives it reports it back
+    assert [a[3] for a in asked] == ["rid-5", "rid-5"]
 
 
 class QueuedReplica(FakeReplica):
@@ -131,7 +136,8 @@ class PrefixActor:
             self.replica = replica
 
     class Route:
-        def remote(self, prompt: object, extra_key: object, candidates: object) -> object:
+        def remote(self, prompt: object, extra_key: object, candidates: object,
+                   request_id: object = None) -> object:
             first = int(prompt[0])  # type: ignore[index]
 
             async def decide() -> PrefixActor.Decision:

@@ -208,10 +208,10 @@ def by_group(done: dict[str, int], placements: dict[str, str]) -> dict[int, Coun
     return out
 
 
-def assert_affinity(groups: dict[int, Counter[str]]) -> None:
+def assert_affinity(groups: dict[int, Counter[str]], context: str = "") -> None:
     for group, counts in groups.items():
         _, n = counts.most_common(1)[0]
-        assert n >= 0.75 * sum(counts.values()), (group, counts)
+        assert n >= 0.75 * sum(counts.values()), (group, counts, context)
     homes = {counts.most_common(1)[0][0] for counts in groups.values()}
     assert len(homes) >= 2, groups  # the groups are spread, not all on one replica
 
@@ -251,8 +251,18 @@ def test_a_burst_of_cold_requests_keeps_each_group_together(cluster: Cluster) ->
         await asyncio.gather(*(_generate(p, rid) for rid, (_, p) in sent.items()))
         return {rid: g for rid, (g, _) in sent.items()}
 
+    before = _decision_counts(cluster)
     done = asyncio.run(burst())
-    assert_affinity(by_group(done, cluster.placements()))
+    assert_affinity(by_group(done, cluster.placements()),
+                    f"router decisions before {before}, after {_decision_counts(cluster)}")
+    # every replica reported the ids it received: none is left counted as on its way
+    wait_until(lambda: "raydix_router_requests_in_transit 0.0" in _metrics_text(cluster), 10,
+               "requests the replicas received are still counted as on their way")
+
+
+def _decision_counts(cluster: Cluster) -> list[str]:
+    return [line for line in _metrics_text(cluster).splitlines()
+            if line.startswith("raydix_router_decisions_total{")]
 
 
 def _metrics_text(cluster: Cluster) -> str:

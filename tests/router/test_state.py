@@ -17,11 +17,11 @@ def test_routed_but_unreported_requests_count_as_load() -> None:
     state.set_replicas(["a", "b"])
     chosen = [state.route(list(range(i * 10, i * 10 + 8))).replica for i in range(4)]
     assert sorted(chosen) == ["a", "a", "b", "b"]  # cold prompts alternate
-    assert state.replicas["a"].load == 2  # nothing reported yet: the two routed to it
+    assert state.load("a") == 2  # nothing reported yet: the two routed to it
     state.report_load("a", 1, 0, 0.1)
     state.report_load("b", 30, 10, 0.9)
     assert state.route([999] * 8).replica == "a"
-    assert state.replicas["a"].load == 2  # 1 running, as reported, and 1 routed since
+    assert state.load("a") == 2  # 1 running, as reported, and 1 routed since
 
 
 def test_a_request_served_elsewhere_counts_only_until_the_next_report() -> None:
@@ -32,10 +32,10 @@ def test_a_request_served_elsewhere_counts_only_until_the_next_report() -> None:
     first = state.route([1] * 8).replica
     other = "b" if first == "a" else "a"
     state.report_load(other, 1, 0, 0.1)  # the request ran on the other one
-    assert state.replicas[first].load == 1
+    assert state.load(first) == 1
     state.report_load(first, 0, 0, 0.0)  # its next report, unchanged
     state.report_load(other, 0, 0, 0.0)  # the request finished
-    assert state.replicas[first].load == 0 == state.replicas[other].load
+    assert state.load(first) == 0 == state.load(other)
 
 
 def test_load_reports_mark_a_full_replica_saturated() -> None:

@@ -235,7 +235,7 @@ def test_router_state_decides_as_the_reference(seed: int) -> None:
     for _ in range(150):
         clock[0] = reference.now = reference.now + 0.15  # 22 s in all: none reaches the ttl
         prompt = groups[int(rng.integers(5))] + rng.integers(100, 1000, 8).tolist()
-        loads_now = {r: int(state.replicas[r].load) for r in R}
+        loads_now = {r: int(state.load(r)) for r in R}
         decision = state.route(prompt)
         expected = reference.route(prompt, caches, loads_now)
         assert (decision.replica, decision.matched_len) == expected
