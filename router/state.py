@@ -183,11 +183,11 @@ class RouterState:
         backlogs: dict[ReplicaId, float] = {}
         free: dict[ReplicaId, float] = {}
         backlog_of, held_of = self.in_flight.backlog, self.tree.held_tokens
-        in_transit = self.in_transit.count
+        in_transit = self.in_transit.counts().get  # one dict read per replica
         for name in names:
             state = self.replicas[name]
             loads[name] = (state.num_running + state.fullness.num_waiting + state.num_unreported
-                           + in_transit(name))
+                           + in_transit(name, 0))
             b = backlogs[name] = backlog_of(name)
             if state.kv_capacity:
                 free[name] = state.kv_capacity - held_of(name) - b

@@ -23,7 +23,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from typing import NamedTuple
 
 ReplicaId = Hashable
@@ -78,6 +78,10 @@ class RequestsInTransit:
     def count(self, replica: ReplicaId) -> int:
         """Requests routed to `replica` and not received anywhere yet."""
         return self._count.get(replica, 0)
+
+    def counts(self) -> Mapping[ReplicaId, int]:
+        """`count` of every replica with requests on their way (not to be changed)."""
+        return self._count
 
     def holds(self, entry: Entry) -> bool:
         """The prefix entry belongs to a request still on its way."""
