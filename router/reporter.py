@@ -148,6 +148,9 @@ class ReplicaReporter:
                     await self._follow_up(self.report_once())
                 except ActorDiedError:
                     await self._reconnect()
+            except TimeoutError:  # starting (its process is new) or busy: no traceback
+                logger.warning("replica %s: the router actor did not answer within %.1f s; "
+                               "reports go on", self.replica_id, self.answer_timeout_s)
             except Exception:  # the router may be restarting: routing falls back meanwhile
                 logger.warning("reporting to the router failed", exc_info=True)
             await asyncio.sleep(self.period_s)

@@ -87,3 +87,32 @@ def test_a_reporter_whose_router_died_takes_the_new_one_and_sends_it_the_whole_c
     assert not load.needs_snapshot
     for tokens in ([5, 6, 7], [5, 6, 8, 9]):  # the cache the dead router had been sent
         assert state.tree.match(np.asarray(tokens, np.int32), None) == {"r0": len(tokens)}
+
+
+class _SilentMethod:
+    def remote(self, *args: Any) -> Any:
+        return asyncio.get_running_loop().create_future()  # never answered
+
+
+class _SlowRouter:
+    """A router actor still starting: its answers do not come."""
+
+    publish = report_load = _SilentMethod()
+
+
+def test_a_router_that_does_not_answer_in_time_gets_one_line_and_reports_go_on(
+        caplog: Any) -> None:
+    reporter = ReplicaReporter(
+        _SlowRouter(), "r0", lambda: (), lambda: LoadReport(0, 0, 0.0, 4096),  # type: ignore[arg-type]
+        period_s=0.001, heartbeat_s=0.0, answer_timeout_s=0.02)
+
+    async def main() -> None:
+        task = asyncio.create_task(reporter.run())
+        await asyncio.sleep(0.1)
+        task.cancel()
+
+    with caplog.at_level("WARNING", logger="raydix.router.reporter"):
+        asyncio.run(main())
+    lines = [r for r in caplog.records if "did not answer" in r.getMessage()]
+    assert len(lines) >= 2  # each timed-out report, and the loop went on after the first
+    assert all(r.exc_info is None for r in caplog.records)  # no traceback in the log
