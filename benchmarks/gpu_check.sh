@@ -10,6 +10,9 @@
 #             transformers: decode-heavy (1, 16, 64 streams), shared-prefix and mixed workloads,
 #             the decode step's time split and the share of the memory-bandwidth floor at batch
 #             1, for a ~1B Llama (random weights, TinyLlama-1.1B's shape);
+#   against   the same bench on the baseline commit in `.gpu-against/` (made by
+#             `GPU_AGAINST=REV bash benchmarks/gpu_prepare.sh`; skipped without it), then each
+#             workload's ratio to `bench` (run `bench` in the same call: same card, same machine);
 #   kernels   kernels per decoder layer of a decode step (benchmarks/kernel_count.py; budget 15);
 #   pagetable the host time of a decode step's page table and of a replay's planning
 #             (benchmarks/page_table_bench.py --cuda);
@@ -41,7 +44,7 @@ fi
 "$PYTHON" -c 'import torch, flashinfer; assert torch.cuda.is_available(), "no CUDA device"
 print("torch", torch.__version__, "flashinfer", flashinfer.__version__, torch.cuda.get_device_name())' \
   || exit 1
-steps=${GPU_CHECK_STEPS:-tests bench kernels pagetable worker default windows serve}
+steps=${GPU_CHECK_STEPS:-tests bench against kernels pagetable worker default windows serve}
 limit=${GPU_CHECK_STEP_S:-900}
 status=0
 step() {  # step NAME COMMAND...: run one check under the time limit, log to $out/NAME.log
@@ -66,6 +69,12 @@ step tests "$PYTHON" -m pytest -m gpu tests/workers/test_gpu.py tests/workers/te
   tests/workers/test_fused_ops_gpu.py tests/workers/test_staging.py \
   tests/workers/test_graph_plan_gpu.py --deselect "$windows" -v --tb=short -p no:cacheprovider
 step bench "$PYTHON" benchmarks/gpu_bench.py --synthetic llama-1b --json "$out/gpu-bench-llama-1b.json"
+if [ -d .gpu-against ]; then
+  step against bash benchmarks/gpu_against.sh "$out"
+else
+  case " ${GPU_CHECK_STEPS:-} " in *" against "*) echo "=== against: skipped, no .gpu-against/" \
+    | tee -a "$out/steps.log"; status=1 ;; esac
+fi
 step kernels "$PYTHON" benchmarks/kernel_count.py --json "$out/kernel-count.json"
 step pagetable "$PYTHON" benchmarks/page_table_bench.py --cuda --json "$out/page-table-bench.json"
 step worker "$PYTHON" benchmarks/worker_bench.py --skip-cpu --synthetic llama-1b \
