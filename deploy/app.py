@@ -7,7 +7,7 @@
 
 import logging
 import os  # no `from __future__ import annotations`: `serve run` reads build_app's annotation
-from typing import NamedTuple, cast
+from typing import Any, NamedTuple, cast
 
 import ray
 from ray import serve
@@ -74,7 +74,8 @@ def bind_app(config: AppConfig, engine_factory: EngineFactory = build_engine) ->
     if bundles is not None:
         placement = {"placement_group_bundles": bundles,
                      "placement_group_strategy": "STRICT_PACK"}
-    engine_deployment = _deployment(EngineServer).options(
+    engine_deployment = _deployment(
+        EngineServer, rolling_update_percentage=config.rolling_update_percentage).options(
         name=ENGINE_DEPLOYMENT,
         # above the engine's own admission bound, so the engine answers "overloaded" (503)
         max_ongoing_requests=config.max_running_requests + config.max_waiting_requests + 64,
@@ -183,9 +184,10 @@ def replica_cpu_threads(config: AppConfig, device: str,
     return max(default_cpu_threads(os.cpu_count() or 1) // replicas, 1)
 
 
-def _deployment(cls: type) -> Deployment:
-    """`serve.deployment` on a class (its overloads type the plain call as a decorator)."""
-    return cast(Deployment, serve.deployment(cls))
+def _deployment(cls: type, **options: Any) -> Deployment:
+    """`serve.deployment` on a class (its overloads type the plain call as a decorator), with
+    the options that `Deployment.options` does not take."""
+    return cast(Deployment, serve.deployment(cls, **options))
 
 
 def request_router_options(config: AppConfig) -> dict[str, RequestRouterConfig]:

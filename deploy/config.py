@@ -231,6 +231,10 @@ class AppConfig(BaseModel):
     health_check_period_s: float = Field(
         5.0, gt=0, description="how often Serve checks each engine replica (its loop and ranks)"
     )
+    rolling_update_percentage: float = Field(
+        0.2, gt=0, le=1, description="the share of the engine replicas that a new deployment of "
+        "the app replaces at a time (Serve's rolling update; 1: all at once)"
+    )
     shutdown_timeout: float = Field(
         5.0, ge=0, description="seconds that requests in flight get to finish after SIGTERM or "
         "Ctrl-C, before they are aborted"

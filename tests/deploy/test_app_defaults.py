@@ -62,3 +62,19 @@ def test_app_settings_reach_the_replica() -> None:
     assert settings.use_gpu_bundles and settings.cpu_threads == 3 and settings.router_events
     plain = replica_settings(AppConfig(router_mode="approximate"), use_gpu=False, cpu_threads=None)
     assert not plain.use_gpu_bundles and plain.cpu_threads is None and not plain.router_events
+
+
+def test_the_rolling_update_share_reaches_the_engine_deployment(model_folder: str) -> None:
+    from ray.serve._private.config import DeploymentConfig
+    from ray.serve.deployment import Application
+
+    from raydix.deploy.app import bind_app
+
+    def engine_share(config: AppConfig) -> float:
+        app = bind_app(config)
+        engine = next(a for a in app._bound_deployment.init_args if isinstance(a, Application))
+        return float(engine._bound_deployment._deployment_config.rolling_update_percentage)
+
+    base = AppConfig(model=model_folder, device="cpu")
+    assert engine_share(base) == DeploymentConfig().rolling_update_percentage  # Serve's default
+    assert engine_share(base.model_copy(update={"rolling_update_percentage": 1.0})) == 1.0

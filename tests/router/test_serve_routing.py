@@ -96,7 +96,8 @@ def tiny_model(folder: Path) -> Path:
 def app_config(model: Path, replicas: int, router_mode: str = "exact") -> AppConfig:
     return AppConfig(model=str(model), device="cpu", replicas=replicas, max_total_tokens=4096,
                      max_running_requests=8, max_context_len=256, router_mode=router_mode,
-                     router_decision_timeout_s=2.0)  # a loaded 2-core machine answers late
+                     router_decision_timeout_s=2.0,  # a loaded 2-core machine answers late
+                     rolling_update_percentage=1.0)  # the redeploys replace all at once
 
 
 class Cluster:
