@@ -3,6 +3,7 @@ them when the request counts changed or the KV usage moved by a step."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from raydix.cache import EventBuffer, RadixCache
@@ -40,13 +41,19 @@ def test_a_request_that_came_and_went_between_reads_still_brings_a_load_report()
     assert router.calls[1][1] == ("r0", 0, 0, 0.0, 4096, ())
 
 
-def test_a_stream_growing_its_kv_sends_a_load_report_per_step_of_usage_not_per_token() -> None:
-    router = _Router()
-    load = LoadReport(1, 0, 0.5, 4096)
-    reporter = ReplicaReporter(router, "r0", lambda: (), lambda: load,  # type: ignore[arg-type]
+def _reporting(router: _Router, read_load: Callable[[], LoadReport]) -> ReplicaReporter:
+    """A reporter that has sent its first load (the router's calls cleared after it)."""
+    reporter = ReplicaReporter(router, "r0", lambda: (), read_load,  # type: ignore[arg-type]
                                heartbeat_s=60.0)
     reporter.report_once()
     router.calls.clear()
+    return reporter
+
+
+def test_a_stream_growing_its_kv_sends_a_load_report_per_step_of_usage_not_per_token() -> None:
+    router = _Router()
+    load = LoadReport(1, 0, 0.5, 4096)
+    reporter = _reporting(router, lambda: load)
     tick = KV_USAGE_STEP / 10  # a token's worth of a small pool
     sent = []
     for i in range(1, 31):
@@ -64,10 +71,7 @@ def test_a_stream_growing_its_kv_sends_a_load_report_per_step_of_usage_not_per_t
 def test_received_request_ids_go_at_once_though_the_counts_did_not_change() -> None:
     router = _Router()
     load = LoadReport(1, 0, 0.5, 4096)
-    reporter = ReplicaReporter(router, "r0", lambda: (), lambda: load,  # type: ignore[arg-type]
-                               heartbeat_s=60.0)
-    reporter.report_once()
-    router.calls.clear()
+    reporter = _reporting(router, lambda: load)
     load = LoadReport(1, 0, 0.5, 4096, ("rid-1",))  # one came, one left: the same counts
     reporter.report_once()
     assert router.calls == [("report_load", ("r0", 1, 0, 0.5, 4096, ("rid-1",)))]
