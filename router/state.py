@@ -153,13 +153,15 @@ class RouterState:
         chosen.decisions += 1
         chosen.prompt_tokens += len(tokens)
         chosen.hit_tokens += decision.matched_len
+        # decided after the request reached a replica (Serve stopped waiting): nothing to hold
+        late = request_id is not None and self.in_transit.arrived(request_id)
         entry = None
-        if self.exact:
+        if self.exact and not late:
             entry = self.in_flight.add(decision.replica, tokens, extra_key,
                                        cost=len(tokens) - decision.matched_len)
         if request_id is None:
             chosen.num_unreported += 1
-        else:
+        elif not late:
             replaced = self.in_transit.add(request_id, decision.replica, entry)
             if replaced is not None:  # routed again: the earlier choice will not see it
                 self.in_flight.remove(replaced)

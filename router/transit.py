@@ -16,6 +16,11 @@ requests it received (its load reports carry the ids received since the last one
 - routed again (Serve chose anew, or the ingress resent it after its replica died): the newer
   decision replaces the older, whose prefix record is dropped;
 - not received within ``ttl_s`` (cancelled before it left, or the report was lost): forgotten.
+
+A request can also be received before the router records its decision: Serve stops waiting
+for a slow decision and routes by load, while the router actor still decides it later. Ids
+received without a decision are kept for ``ttl_s`` (at most ``max_early`` of them), so that
+such a late decision records nothing (``arrived``).
 """
 
 from __future__ import annotations
@@ -38,11 +43,14 @@ class Routed(NamedTuple):
 
 class RequestsInTransit:
     def __init__(self, ttl_s: float = 30.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, max_early: int = 65_536) -> None:
         if ttl_s <= 0:
             raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
         self.ttl_s = ttl_s
+        self.max_early = max_early
         self._clock = clock
+        self._early: dict[str, float] = {}  # received before any decision: id -> deadline
+        self._early_order: deque[tuple[float, str]] = deque()
         self._by_id: dict[str, Routed] = {}
         self._count: dict[ReplicaId, int] = {}
         self._entries: set[Entry] = set()
@@ -71,9 +79,23 @@ class RequestsInTransit:
         elsewhere = []
         for rid in request_ids:
             routed = self._pop(rid)
-            if routed is not None and routed.replica != replica and routed.entry is not None:
+            if routed is None:  # its decision, if any, is still to come
+                self._remember_early(rid)
+            elif routed.replica != replica and routed.entry is not None:
                 elsewhere.append(routed.entry)
         return elsewhere
+
+    def arrived(self, request_id: str) -> bool:
+        """A replica already reported receiving this request, which no decision had been
+        recorded for: its decision comes late and must record nothing."""
+        return self._early.pop(request_id, None) is not None
+
+    def _remember_early(self, request_id: str) -> None:
+        deadline = self._clock() + self.ttl_s
+        self._early[request_id] = deadline
+        self._early_order.append((deadline, request_id))
+        while len(self._early) > self.max_early:
+            self._early.pop(self._early_order.popleft()[1], None)
 
     def count(self, replica: ReplicaId) -> int:
         """Requests routed to `replica` and not received anywhere yet."""
@@ -93,6 +115,10 @@ class RequestsInTransit:
 
     def expire(self) -> None:
         now = self._clock()
+        while self._early_order and self._early_order[0][0] <= now:
+            deadline, rid = self._early_order.popleft()
+            if self._early.get(rid) == deadline:
+                del self._early[rid]
         while self._deadlines and self._deadlines[0][0] <= now:
             _, rid, serial = self._deadlines.popleft()
             routed = self._by_id.get(rid)

@@ -92,3 +92,25 @@ def test_a_newer_decision_for_an_id_outlives_the_older_ones_deadline() -> None:
 def test_ttl_must_be_positive() -> None:
     with pytest.raises(ValueError, match="ttl_s"):
         RequestsInTransit(ttl_s=0)
+
+
+def test_a_decision_made_after_its_request_arrived_records_nothing() -> None:
+    # Serve stopped waiting for the router (decision timeout) and routed by load; the router
+    # actor decided later, after the replica had reported receiving the request.
+    state, clock = _state()
+    state.report_load("b", 0, 1, 0.0, received=["r1"])
+    late = state.route(PREFIX + [1], request_id="r1")
+    assert state.load(late.replica) == (1 if late.replica == "b" else 0)  # b's own count only
+    assert state.in_flight.match(np.asarray(PREFIX, np.int32)) == {}
+    assert len(state.in_transit) == 0
+    state.report_load("b", 0, 1, 0.0, received=["r2", "r3"])  # r2 and r3 decided by load
+    assert state.in_transit.arrived("r2")
+    clock[0] += 31.0  # ids received without a decision are kept for the ttl only
+    state.in_transit.expire()
+    assert not state.in_transit.arrived("r3")
+
+
+def test_ids_received_without_a_decision_are_capped() -> None:
+    transit = RequestsInTransit(max_early=2)
+    transit.received("a", ["x", "y", "z"])
+    assert not transit.arrived("x") and transit.arrived("y") and transit.arrived("z")
