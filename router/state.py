@@ -72,6 +72,9 @@ MAX_APPROX_TOKENS = 4_000_000  # approximate mode: the tree's default cap, in to
 # a replica reporting nothing running or waiting drops its decisions in flight older than this
 # (the request went elsewhere); younger ones may still be on their way to it
 IDLE_GRACE_S = 1.0
+# a request routed by id counts as on its way this long at most: long enough for a loaded host,
+# short enough that one Serve never sent (its client left while it waited) soon stops counting
+TRANSIT_TTL_S = 10.0
 
 
 class RouterState:
@@ -88,7 +91,7 @@ class RouterState:
         self.tier_tree = TierTree(page_size)  # device or host tier (tier_tree.py)
         self._host_tier_replicas: set[ReplicaId] = set()  # those that sent host-tier events
         self.in_flight = InFlightPrefixes(page_size, in_flight_ttl_s, clock=clock)
-        self.in_transit = RequestsInTransit(in_flight_ttl_s, clock=clock)
+        self.in_transit = RequestsInTransit(min(TRANSIT_TTL_S, in_flight_ttl_s), clock=clock)
         self.policy = CacheAwarePolicy(policy)  # its config: the settings of either mode
         self.ttft_policy = ExpectedTTFTPolicy(self.policy.config.request_cost_tokens,
                                               self.policy.config.miss_cost)

@@ -15,7 +15,8 @@ requests it received (its load reports carry the ids received since the last one
   answer): the chosen replica never sees it, and its prefix record is dropped;
 - routed again (Serve chose anew, or the ingress resent it after its replica died): the newer
   decision replaces the older, whose prefix record is dropped;
-- not received within ``ttl_s`` (cancelled before it left, or the report was lost): forgotten.
+- not received within ``ttl_s`` (its client left while Serve held it, or the report was lost):
+  forgotten.
 
 A request can also be received before the router records its decision: Serve stops waiting
 for a slow decision and routes by load, while the router actor still decides it later. Ids

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from raydix.router.state import IDLE_GRACE_S, RouterState
+from raydix.router.state import IDLE_GRACE_S, TRANSIT_TTL_S, RouterState
 from raydix.router.transit import RequestsInTransit
 
 PREFIX = list(range(100, 164))
@@ -53,6 +53,17 @@ def test_a_request_routed_again_leaves_its_first_choice() -> None:
     assert again.replica == other
     assert state.load(first) == 0 and state.load(other) == 1
     assert state.route(PREFIX + [3], request_id="r3").replica == other  # it holds the group
+
+
+def test_a_request_never_received_stops_counting_after_the_transit_ttl() -> None:
+    state, clock = _state()  # its client left while Serve held it: no replica will name it
+    chosen = state.route(PREFIX + [1], request_id="r1").replica
+    clock[0] += TRANSIT_TTL_S - 0.1
+    state.report_load(chosen, 0, 0, 0.0)
+    assert state.load(chosen) == 1
+    clock[0] += 0.1
+    state.route(list(range(900, 940)), candidates=["a"], request_id="r2")  # expiry runs here
+    assert state.load(chosen) == (1 if chosen == "a" else 0)
 
 
 def test_without_an_id_a_request_counts_until_the_next_report() -> None:
@@ -105,7 +116,7 @@ def test_a_decision_made_after_its_request_arrived_records_nothing() -> None:
     assert len(state.in_transit) == 0
     state.report_load("b", 0, 1, 0.0, received=["r2", "r3"])  # r2 and r3 decided by load
     assert state.in_transit.arrived("r2")
-    clock[0] += 31.0  # ids received without a decision are kept for the ttl only
+    clock[0] += TRANSIT_TTL_S  # ids received without a decision are kept for the ttl only
     state.in_transit.expire()
     assert not state.in_transit.arrived("r3")
 
