@@ -6,7 +6,8 @@ next run), and imported through a folder of links that maps `raydix.<x>` onto it
 so the same venv runs both. Workloads (random token ids, the default model, CPU):
 
 - one stream: a 128-token prompt, 128 new tokens (output tokens/s);
-- four streams: four such prompts side by side (decode steps of four requests);
+- two streams, four streams: two or four such prompts side by side (decode steps of two or
+  four requests);
 - lone prompt: TTFT of one 512-token prompt (seconds, lower is better);
 - shared prefix: 4x4 prompts of a 512-token group prefix + 64, 32 new tokens each, cache on;
 - mixed: 16 prompts of 32-512 tokens, 16-128 new tokens each;
@@ -41,8 +42,8 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 SUBPACKAGES = ("cache", "workers", "engine", "cluster", "router", "deploy")  # those REV has
-WORKLOADS = ("one stream", "four streams", "lone prompt", "shared prefix", "mixed", "KV tokens",
-             "KV tokens (serve)")
+WORKLOADS = ("one stream", "two streams", "four streams", "lone prompt", "shared prefix", "mixed",
+             "KV tokens", "KV tokens (serve)")
 KV_ROWS = {"KV tokens", "KV tokens (serve)"}
 LOWER_IS_BETTER = {"lone prompt"}
 DECODE_GRAPH_ENV = "RAYDIX_BENCH_DECODE_GRAPH"  # "0": the children run without it
@@ -157,9 +158,10 @@ def _child(workload: str, threads: int, dtype: str) -> tuple[float, float]:
     rng = np.random.default_rng(0)
     if workload == "one stream":
         prompts, outputs = [rng.integers(100, vocab, size=128).tolist()], [128]
-    elif workload == "four streams":
-        prompts = [rng.integers(100, vocab, size=128).tolist() for _ in range(4)]
-        outputs = [128] * 4
+    elif workload in ("two streams", "four streams"):
+        num = 2 if workload == "two streams" else 4
+        prompts = [rng.integers(100, vocab, size=128).tolist() for _ in range(num)]
+        outputs = [128] * num
     elif workload == "lone prompt":
         prompts, outputs = [rng.integers(100, vocab, size=512).tolist()], [1]
     elif workload == "shared prefix":

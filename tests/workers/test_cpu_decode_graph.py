@@ -77,6 +77,61 @@ def test_decode_graph_matches_transformers_and_the_eager_forward(
         np.testing.assert_allclose(np.stack(logits), np.stack(eager_logits), atol=1e-4, rtol=0)
 
 
+def _generate_together(runner: ModelRunner, prompts: list[list[int]],
+                       new_tokens: int) -> list[list[int]]:
+    """Greedy tokens of requests that prefill in one step and then decode side by side (every
+    decode step has one token of each)."""
+    first = runner.kv_pool.config.page_size + 7
+    slots = []
+    for p in prompts:
+        slots.append(list(range(first, first + len(p) + new_tokens)))
+        first += len(p) + new_tokens
+    logits = runner.forward(StepPlan.build(0, [
+        ScheduledRequest(1 + i, 0, p, s[:len(p)]) for i, (p, s) in enumerate(
+            zip(prompts, slots, strict=True))]))
+    tokens = [[int(t)] for t in logits.argmax(-1)]
+    for step in range(new_tokens - 1):
+        logits = runner.forward(StepPlan.build(1 + step, [
+            ScheduledRequest(1 + i, len(p) + step, [t[-1]], [s[len(p) + step]])
+            for i, (p, s, t) in enumerate(zip(prompts, slots, tokens, strict=True))]))
+        for t, token in zip(tokens, logits.argmax(-1), strict=True):
+            t.append(int(token))
+    return tokens
+
+
+def test_two_requests_decode_through_the_graph_one_after_the_other(
+        tiny_models: dict[str, TinyModel], llama_runners: tuple[ModelRunner, ModelRunner],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    m = tiny_models["llama"]
+    graph_runner, _ = llama_runners
+    assert graph_runner.decode_graph is not None
+    assert cpu_decode_graph.MAX_REQUESTS == 2
+    runs: list[int] = []
+    real_run = graph_runner.decode_graph._run
+    monkeypatch.setattr(graph_runner.decode_graph, "_run",
+                        lambda *args: runs.append(1) or real_run(*args))
+    eager_steps: list[int] = []
+    real_forward = graph_runner.model.forward
+    monkeypatch.setattr(graph_runner.model, "forward",
+                        lambda *args: eager_steps.append(1) or real_forward(*args))
+    prompts = m.prompts[:2]
+    ref = m.hf.greedy(prompts, MAX_NEW_TOKENS)
+    # a lone request's graphs serve both requests: no compile after the warm-up
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        got = _generate_together(graph_runner, prompts, MAX_NEW_TOKENS)
+    assert len(runs) == 2 * (MAX_NEW_TOKENS - 1)  # one pass of the graph per request and step
+    assert len(eager_steps) == 1  # the prefill only
+    assert_greedy_equal(got, ref, prompts, m.hf,
+                        lambda seqs: [graph_runner.forward(_probe(graph_runner, s))[0].numpy()
+                                      for s in seqs], "llama decode graph, two requests")
+    # three requests decode eagerly
+    eager_steps.clear()
+    runs.clear()
+    three = _generate_together(graph_runner, m.prompts[:3] if len(m.prompts) >= 3
+                               else [*m.prompts[:2], m.prompts[0]], 3)
+    assert len(three) == 3 and not runs and len(eager_steps) == 3
+
+
 def _probe(runner: ModelRunner, seq: list[int]) -> StepPlan:
     first = runner.kv_pool.config.page_size
     return StepPlan.build(99, [ScheduledRequest(2, 0, seq, list(range(first, first + len(seq))))])
