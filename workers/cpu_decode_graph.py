@@ -130,8 +130,7 @@ class CpuDecodeGraph:
 
     @staticmethod
     def can_run(batch: ForwardBatch) -> bool:
-        return (batch.batch_size <= MAX_REQUESTS and batch.batch_size >= 1
-                and bool((batch.extend_lens == 1).all()))
+        return 1 <= batch.batch_size <= MAX_REQUESTS and bool((batch.extend_lens == 1).all())
 
     def replay(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits [B, vocab] of the step's decode tokens, one request after the other."""
