@@ -22,7 +22,7 @@ from .config import AppConfig
 from .cpu_threads import default_cpu_threads
 from .engine_settings import attention_backend, engine_config, resolve_device, routing_policy
 from .ingress import OpenAIIngress
-from .model_path import resolve_model_path
+from .model_path import driver_tokenizer, resolve_model_path
 from .serve_env import replica_runtime_env
 from .server import EngineFactory, EngineServer, ReplicaSettings, build_engine, replica_bundles
 from .stats_board import StatsBoard
@@ -110,7 +110,8 @@ def bind_app(config: AppConfig, engine_factory: EngineFactory = build_engine) ->
                        engine.scheduler.max_context_len, config.max_request_bytes,
                        api_key_of(config), cache_aware_router=policy is not None,
                        schedule_policy=engine.scheduler.schedule_policy,
-                       tool_call_parser=config.tool_call_parser)
+                       tool_call_parser=config.tool_call_parser,
+                       tokenizer=driver_tokenizer(model_path))
     return app
 
 

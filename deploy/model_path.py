@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import Future
+from functools import lru_cache
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .config import AppConfig
@@ -26,10 +27,19 @@ def resolve_model_path(config: AppConfig) -> str:
     return config.model
 
 
+@lru_cache(maxsize=4)
+def driver_tokenizer(model_path: str) -> Any:
+    """The folder's tokenizer (AutoTokenizer), loaded once in the process that builds apps and
+    handed to the ingress replicas (see OpenAIIngress)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_path)
+
+
 def prepare_in_background(config: AppConfig) -> Future[str]:
     """`resolve_model_path(config)` on a thread, while Ray and Serve start, and the import of
-    transformers' config classes that building the app then needs: on 2 cores the two cost
-    4-5 s of imports (torch, transformers) that would otherwise come before Ray starts. A
+    transformers' config classes and the tokenizer that building the app then needs: on 2 cores
+    they cost 4-6 s (torch, transformers) that would otherwise come before Ray starts. A
     folder without config.json is refused here at once, before anything starts."""
     if config.model != DEFAULT_MODEL:
         resolve_model_path(config)
@@ -41,6 +51,7 @@ def prepare_in_background(config: AppConfig) -> Future[str]:
             from transformers import AutoConfig
 
             AutoConfig.from_pretrained(path)
+            driver_tokenizer(path)
         except BaseException as e:  # handed to the caller
             future.set_exception(e)
         else:

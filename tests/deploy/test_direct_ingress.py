@@ -75,6 +75,12 @@ def server(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 
 def listener_of(port: int, sid: int) -> str:
     """The command line of the process of session `sid` that listens on TCP `port`."""
+    pid = listener_pid(port, sid)
+    return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode() if pid else ""
+
+
+def listener_pid(port: int, sid: int) -> str:
+    """The pid of the process of session `sid` that listens on TCP `port` ("" if none)."""
     inodes = set()
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         for row in Path(table).read_text().splitlines()[1:]:
@@ -88,7 +94,7 @@ def listener_of(port: int, sid: int) -> str:
         except OSError:  # ended meanwhile, or a descriptor closed while read
             continue
         if fds & inodes:
-            return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            return pid
     return ""
 
 
@@ -103,6 +109,14 @@ def test_the_ingress_replica_listens_on_the_port(server: Server) -> None:
     owner = listener_of(server.port, server.proc.pid)
     assert "OpenAIIngress" in owner, owner  # not Serve's proxy: no hop between
     assert "ProxyActor" not in owner
+
+
+def test_the_ingress_replica_does_not_load_torch(server: Server) -> None:
+    """The ingress computes nothing: its tokenizer comes from the app's builder, pickled, and
+    unpickling it loads no torch (loading it with AutoTokenizer there did: ~4 s of CPU)."""
+    pid = listener_pid(server.port, server.proc.pid)
+    assert pid
+    assert "libtorch" not in Path(f"/proc/{pid}/maps").read_text()
 
 
 def test_streams_errors_auth_and_metrics_over_direct_ingress(server: Server) -> None:

@@ -16,6 +16,7 @@ from gguf.quants import dequantize
 from safetensors import safe_open
 
 from raydix.workers.config import ModelConfig
+from raydix.workers import gguf_convert
 from raydix.workers.gguf_convert import convert_gguf
 
 from .conftest import DefaultModel
@@ -46,6 +47,34 @@ def test_conversion_writes_dequantized_gguf_tensors(default_model: DefaultModel)
     stamp = os.stat(folder / "model.safetensors").st_mtime_ns
     assert convert_gguf(default_model.gguf, folder.parent, show_progress=False) == folder
     assert os.stat(folder / "model.safetensors").st_mtime_ns == stamp
+
+
+def test_a_conversion_by_another_converter_is_made_again(
+        default_model: DefaultModel, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A folder converted by another raydix (or transformers) is not served as it is: the
+    conversion runs again, and an attempt that fails leaves the folder as it was."""
+    import transformers
+
+    folder = default_model.folder
+    marker = (folder / ".raydix-converted").read_text()
+    assert json.loads(marker)["converter"] == gguf_convert.CONVERTER_VERSION
+
+    class Stop(Exception):
+        pass
+
+    def stop(*args: object, **kwargs: object) -> None:
+        raise Stop
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", stop)
+    monkeypatch.setattr(gguf_convert, "CONVERTER_VERSION", gguf_convert.CONVERTER_VERSION + 1)
+    with caplog.at_level(logging.WARNING, "raydix.workers.gguf_convert"), pytest.raises(Stop):
+        convert_gguf(default_model.gguf, folder.parent, show_progress=False)
+    assert "converting SmolLM2" in caplog.text and "again" in caplog.text
+    assert (folder / ".raydix-converted").read_text() == marker  # untouched
+    assert sorted(p.name for p in folder.parent.iterdir()) == [folder.name]  # no leftovers
+    monkeypatch.undo()
+    assert convert_gguf(default_model.gguf, folder.parent, show_progress=False) == folder
 
 
 def test_default_model_config_reads_without_a_warning(default_model: DefaultModel,
