@@ -33,6 +33,7 @@ logger = logging.getLogger("raydix")
 APP_NAME = "raydix"
 _NOT_FLAGS = {"autoscaling"}  # nested settings: YAML only
 STOP_MARGIN_S = 5.0  # beyond shutdown_timeout: Serve ending the replicas it had to stop
+STOP_CHECK_S = 1.0  # how often the main thread wakes to run a stop signal's handler
 
 
 class ConfigError(Exception):
@@ -144,8 +145,7 @@ def serve_forever(config: AppConfig) -> None:
         _log_start_facts()
         logger.info("raydix is ready on http://%s:%d (model %r)", config.host, config.port,
                     config.model_name)
-        while True:
-            time.sleep(3600)
+        wait_for_stop()
     except KeyboardInterrupt:
         logger.info("shutting down: requests in flight have %g s to finish",
                     config.shutdown_timeout)
@@ -254,6 +254,15 @@ def check_port_free(host: str, port: int) -> None:
             s.bind((host, port))
         except OSError as e:
             raise RuntimeError(f"can't listen on {host}:{port}: {e.strerror}") from e
+
+
+def wait_for_stop() -> None:
+    """Sleep until a stop signal's handler raises KeyboardInterrupt. Python runs a handler in
+    the main thread when that thread next runs bytecode; a signal that the kernel hands to
+    another thread (Ray's threads leave them unblocked) does not wake a main thread asleep in
+    one long sleep, so it wakes every `STOP_CHECK_S` (a `kill` once waited out the hour)."""
+    while True:
+        time.sleep(STOP_CHECK_S)
 
 
 def _catch_stop_signals() -> None:

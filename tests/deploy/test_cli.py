@@ -175,6 +175,27 @@ def test_a_port_in_use_is_refused_in_one_line(smollm2: Path,
     assert f"can't listen on 127.0.0.1:{port}" in err and "\n" not in err
 
 
+def test_a_stop_signal_taken_by_another_thread_still_stops_the_server() -> None:
+    """The kernel may hand `kill`'s signal to any thread that does not block it; the main
+    thread, asleep while the server serves, must still run the handler (within a second)."""
+    probe = ("import signal, threading, time\n"
+             "from raydix.deploy.cli import _catch_stop_signals, wait_for_stop\n"
+             "_catch_stop_signals()\n"
+             "def other():\n"
+             "    time.sleep(0.3)\n"
+             "    signal.pthread_kill(threading.get_ident(), signal.SIGTERM)\n"
+             "threading.Thread(target=other).start()\n"
+             "start = time.monotonic()\n"
+             "try:\n"
+             "    wait_for_stop()\n"
+             "except KeyboardInterrupt:\n"
+             "    print('stopped after', round(time.monotonic() - start, 1))\n")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         timeout=30, check=True)
+    assert out.stdout.startswith("stopped after"), out.stdout + out.stderr
+    assert float(out.stdout.split()[-1]) < 3
+
+
 def session_processes(sid: int) -> list[str]:
     """The live processes of session `sid` (a server started with start_new_session leads its
     own session, and so do all that it started, Ray's included), as "pid name"."""

@@ -15,8 +15,8 @@ from gguf import GGUFReader
 from gguf.quants import dequantize
 from safetensors import safe_open
 
-from raydix.workers.config import ModelConfig
 from raydix.workers import gguf_convert
+from raydix.workers.config import ModelConfig
 from raydix.workers.gguf_convert import convert_gguf
 
 from .conftest import DefaultModel
