@@ -254,6 +254,10 @@ class AppConfig(BaseModel):
         "instead of through the compiled one-token graph (plain weights; compiled at the first "
         "start on a machine, about 1-2 minutes, then loaded from inductor's cache)"
     )
+    disable_cpu_compiled_attention: bool = Field(
+        False, description="on CPU: decode attention always reads dense K/V copies, never the "
+        "paged kernel compiled at start (seconds in each replica even from inductor's cache)"
+    )
     debug_cache_audit: bool = Field(
         False, description="debug: audit each replica's KV cache in stats calls made while it is "
         "idle (walks the whole pool: seconds at millions of slots)"

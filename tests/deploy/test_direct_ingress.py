@@ -20,7 +20,7 @@ from raydix.deploy.config import AppConfig
 from raydix.deploy.direct_ingress import direct_ingress_env, use_direct_ingress
 
 from .conftest import MODEL_NAME, free_port
-from .test_cli import session_processes
+from .test_cli import UNCOMPILED_FLAGS, session_processes
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -46,6 +46,9 @@ class Server(NamedTuple):
 
 @pytest.fixture(scope="module")
 def server(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """`raydix serve` of the tiny model, compiling nothing at start: what the module checks
+    (where HTTP is served, and what the ingress does there) does not depend on how a decode
+    is computed; test_cli.py's SIGINT start serves with the compiled code."""
     port = free_port()
     log = tmp_path_factory.mktemp("direct-ingress") / "serve.log"
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "HF_HUB_OFFLINE": "1"}
@@ -53,7 +56,7 @@ def server(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         proc = subprocess.Popen(
             [sys.executable, "-m", "raydix.deploy.cli", "serve", "--model", str(tiny_llama),
              "--served-model-name", MODEL_NAME, "--port", str(port), "--max-total-tokens",
-             "4096", "--device", "cpu", "--cpu-threads", "1", "--disable-cpu-decode-graph",
+             "4096", "--device", "cpu", "--cpu-threads", "1", *UNCOMPILED_FLAGS,
              "--api-key", API_KEY, "--shutdown-timeout", "20"],
             stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
