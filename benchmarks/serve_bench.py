@@ -33,52 +33,24 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
 import shlex
-import signal
-import socket
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import NamedTuple
 
 import httpx
 import numpy as np
 import torch
+from _serve_process import MODEL_NAME, cpu_per_token, process_tree_cpu, start_server, stop_server
+from _serve_stats import SeedSource, Stats, best_of, prompts_for, summarize
 
 from raydix.deploy.config import AppConfig, resolve_model_path
 from raydix.deploy.engine_settings import engine_config
 from raydix.engine.engine import Engine
 from raydix.engine.request import GenerationParams
-
-MODEL_NAME = "bench"
-
-
-class Stats(NamedTuple):
-    ttft_s: float  # mean over streams
-    tpot_s: float  # mean over streams: (last token - first token) / (tokens - 1)
-    throughput: float  # output tokens / s over the whole burst
-    max_gap_s: float  # longest wait between two outputs of a stream (serve: SSE chunks)
-    cpu_ms_per_token: dict[str, float] | None = None  # CPU time per output token, by process
-
-
-def summarize(starts: float, token_times: list[list[float]]) -> Stats:
-    ttft = [t[0] - starts for t in token_times]
-    tpot = [(t[-1] - t[0]) / (len(t) - 1) for t in token_times if len(t) > 1]
-    end = max(t[-1] for t in token_times)
-    total = sum(len(t) for t in token_times)
-    gaps = [float(np.max(np.diff(t))) for t in token_times if len(t) > 1]
-    return Stats(float(np.mean(ttft)), float(np.mean(tpot)) if tpot else 0.0,
-                 total / (end - starts), max(gaps, default=0.0))
-
-
-def prompts_for(num: int, prompt_len: int, vocab: int, seed: int) -> list[list[int]]:
-    rng = np.random.default_rng(seed)
-    return [rng.integers(100, vocab, prompt_len).tolist() for _ in range(num)]
 
 
 # ------------------------------------------------------------------------------ in-process
@@ -134,119 +106,11 @@ class InProcess:
         self.engine.shutdown()
 
 
-class SeedSource:
-    """A new prompt seed for every burst: no burst meets an earlier one in a prefix cache."""
-
-    def __init__(self) -> None:
-        self.next = 1000
-
-    def __call__(self) -> int:
-        self.next += 1
-        return self.next
-
-
-def best_of(a: dict[int, Stats], b: dict[int, Stats]) -> dict[int, Stats]:
-    return {n: max((s for s in (a.get(n), b.get(n)) if s is not None),
-                   key=lambda s: s.throughput) for n in a.keys() | b.keys()}
-
-
-# --------------------------------------------------------------------- CPU time per process
-def _cpu_ticks(pid: int) -> int:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return int(fields[11]) + int(fields[12])  # utime + stime
-
-
-def _role(pid: int) -> str:
-    """A server process's role: the Ray actor's name (ray::ServeReplica:raydix:EngineServer ->
-    EngineServer) or the program's."""
-    with open(f"/proc/{pid}/cmdline", "rb") as f:
-        argv = f.read().split(b"\0")
-    first = argv[0].decode(errors="replace")
-    if first.startswith("ray::"):
-        name = first[5:].split(".")[0]
-        return name.rsplit(":", 1)[-1] if name.startswith("ServeReplica") else name
-    if "raydix.deploy.cli" in b" ".join(argv).decode(errors="replace"):
-        return "raydix serve (driver)"
-    return Path(first).name or "?"
-
-
-def process_tree_cpu(root: int) -> dict[int, tuple[str, int]]:
-    """pid -> (role, CPU ticks so far) for `root` and every process under it."""
-    parent: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            with contextlib.suppress(OSError, IndexError, ValueError), \
-                    open(f"/proc/{entry}/stat") as f:
-                parent[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
-    tree, frontier = {root}, [root]
-    while frontier:
-        pid = frontier.pop()
-        for child, ppid in parent.items():
-            if ppid == pid and child not in tree:
-                tree.add(child)
-                frontier.append(child)
-    out = {}
-    for pid in tree:
-        with contextlib.suppress(OSError, IndexError, ValueError):
-            out[pid] = (_role(pid), _cpu_ticks(pid))
-    return out
-
-
-def cpu_per_token(before: dict[int, tuple[str, int]], after: dict[int, tuple[str, int]],
-                  num_tokens: int) -> dict[str, float]:
-    """CPU ms per output token by role, largest first (processes alive at both ends)."""
-    tick_ms = 1e3 / os.sysconf("SC_CLK_TCK")
-    by_role: dict[str, float] = {}
-    for pid, (role, ticks) in after.items():
-        if pid in before:
-            by_role[role] = by_role.get(role, 0.0) + (ticks - before[pid][1]) * tick_ms
-    return dict(sorted(((r, ms / num_tokens) for r, ms in by_role.items() if ms > 0),
-                       key=lambda kv: -kv[1]))
-
-
 def _vocab(model_path: str) -> int:
     return int(json.loads((Path(model_path) / "config.json").read_text())["vocab_size"])
 
 
 # ----------------------------------------------------------------------------- through serve
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def start_server(model: str, flags: list[str], log: Path) -> tuple[subprocess.Popen[bytes], str]:
-    port = _free_port()
-    env_vars = dict(f.split("=", 1) for f in flags if "=" in f and not f.startswith("-"))
-    flags = [f for f in flags if "=" not in f or f.startswith("-")]
-    argv = [sys.executable, "-m", "raydix.deploy.cli", "serve", "--model", model,
-            "--served-model-name", MODEL_NAME, "--port", str(port), *flags]
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "HF_HUB_OFFLINE": "1", **env_vars}
-    with log.open("wb") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)
-    deadline = time.monotonic() + 300
-    while f"raydix is ready on http://127.0.0.1:{port}" not in log.read_text(errors="replace"):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            stop_server(proc)
-            raise RuntimeError(f"raydix serve did not start:\n{log.read_text()[-3000:]}")
-        time.sleep(0.5)
-    return proc, f"http://127.0.0.1:{port}"
-
-
-def stop_server(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)  # anything of its session that outlived it
-
-
 async def _stream(client: httpx.AsyncClient, url: str, prompt: list[int],
                   output_len: int) -> list[float]:
     body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": output_len, "temperature": 0,

@@ -32,11 +32,11 @@ from typing import Any
 
 import httpx
 import numpy as np
-from serve_bench import _free_port, cpu_per_token, process_tree_cpu, start_server, stop_server
+from _serve_process import _free_port, cpu_per_token, process_tree_cpu, start_server, stop_server
 
 from raydix.deploy.config import AppConfig, resolve_model_path
 
-MODEL_NAME = "bench"  # serve_bench.start_server serves raydix under this name
+MODEL_NAME = "bench"  # _serve_process.start_server serves raydix under this name
 VLLM_VENV = Path(__file__).resolve().parent.parent / ".venv-vllm"
 
 
