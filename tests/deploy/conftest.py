@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -44,20 +43,6 @@ def uncompiled_app(config: AppConfig, engine_factory: EngineFactory = uncompiled
 
     cloudpickle.register_pickle_by_value(uncompiled)  # replicas can't import tests
     return bind_app(config, engine_factory=engine_factory)
-
-
-def delete_apps(*names: str, timeout_s: float = 60.0) -> None:
-    """Delete the apps together and return once Serve lists none of them, looking every 0.1 s
-    (`serve.delete` deletes one app at a time and looks once a second)."""
-    from ray import serve
-
-    for name in names:
-        serve.delete(name, _blocking=False)
-    deadline = time.monotonic() + timeout_s
-    while set(names) & set(serve.status().applications):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"apps {names} still listed {timeout_s:g} s after their delete")
-        time.sleep(0.1)
 
 
 @pytest.fixture(scope="module")

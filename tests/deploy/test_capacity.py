@@ -17,8 +17,9 @@ from raydix.deploy.capacity import (
     replica_resources,
 )
 from raydix.deploy.config import AppConfig
+from tests.serve_apps import delete_apps
 
-from .conftest import NUM_FAKE_GPUS, ServeCluster, delete_apps
+from .conftest import NUM_FAKE_GPUS, ServeCluster
 
 pytestmark = [pytest.mark.ray]
 

@@ -11,8 +11,9 @@ import openai
 import pytest
 
 from raydix.deploy.config import AppConfig
+from tests.serve_apps import delete_apps
 
-from .conftest import MODEL_NAME, NO_DECODE_GRAPH, ServeCluster, delete_apps, uncompiled_app
+from .conftest import MODEL_NAME, NO_DECODE_GRAPH, ServeCluster, uncompiled_app
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 

@@ -15,9 +15,10 @@ from raydix.deploy.engine_settings import engine_config
 from raydix.engine.engine import Engine
 from raydix.engine.request import GenerationParams
 from raydix.workers.step import SamplingParams
+from tests.serve_apps import delete_apps
 from tests.uncompiled import uncompiled
 
-from .conftest import MODEL_NAME, NO_DECODE_GRAPH, ServeCluster, delete_apps, uncompiled_app
+from .conftest import MODEL_NAME, NO_DECODE_GRAPH, ServeCluster, uncompiled_app
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 

@@ -13,8 +13,9 @@ from raydix.deploy.app import replica_cpu_threads
 from raydix.deploy.config import AppConfig
 from raydix.deploy.cpu_threads import THREADS_ON_SMALL_MACHINES, default_cpu_threads
 from raydix.deploy.replica_facts import ReplicaFacts
+from tests.serve_apps import delete_apps
 
-from .conftest import MODEL_NAME, NO_DECODE_GRAPH, ServeCluster, delete_apps, uncompiled_app
+from .conftest import MODEL_NAME, NO_DECODE_GRAPH, ServeCluster, uncompiled_app
 
 APP = "threads"
 

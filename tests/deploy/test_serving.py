@@ -18,8 +18,9 @@ from raydix.deploy.server import ReplicaSettings
 from raydix.engine.config import EngineConfig
 from raydix.engine.engine import Engine
 from tests import uncompiled
+from tests.serve_apps import delete_apps
 
-from .conftest import MODEL_NAME, NO_DECODE_GRAPH, ServeCluster, delete_apps, uncompiled_app
+from .conftest import MODEL_NAME, NO_DECODE_GRAPH, ServeCluster, uncompiled_app
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 

@@ -19,8 +19,9 @@ from raydix.engine.config import EngineConfig
 from raydix.engine.engine import Engine
 from raydix.engine.request import GenerationParams
 from tests import uncompiled
+from tests.serve_apps import delete_apps
 
-from .conftest import MODEL_NAME, NUM_FAKE_GPUS, ServeCluster, delete_apps
+from .conftest import MODEL_NAME, NUM_FAKE_GPUS, ServeCluster
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 

@@ -10,10 +10,12 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 import pytest
 import ray
+from ray.serve import Application, RunTarget
 
 from raydix.cache import EventBuffer, RadixCache
 from raydix.router.actor import get_or_create_router, get_router
 from raydix.router.lifetime import RouterLifetimeConfig
+from tests.serve_apps import delete_apps, run_apps
 
 pytestmark = pytest.mark.ray
 
@@ -170,7 +172,7 @@ def test_a_reporter_whose_router_was_killed_finds_a_new_one(ray_local: None) -> 
 
 
 @pytest.fixture(scope="module")
-def noop_app(ray_local: None) -> Iterator[object]:
+def noop_app(ray_local: None) -> Iterator[Application]:
     from ray import serve
 
     @serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0})
@@ -194,40 +196,38 @@ def _gone(app_name: str, within_s: float) -> bool:
     return False
 
 
-def test_a_redeployed_app_finds_its_router(noop_app: object) -> None:
+def test_a_redeployed_app_finds_its_router(noop_app: Application) -> None:
     """Deleted and deployed again within the grace period, the app's new replica gets the same
     router actor back, and it routes."""
-    from ray import serve
-
     lifetime = RouterLifetimeConfig(check_s=0.1, grace_s=30.0)
-    serve.run(noop_app, name="again", route_prefix="/again")
+    run_apps(RunTarget(noop_app, name="again", route_prefix="/again"))
     router = get_or_create_router("again", page_size=1, lifetime=lifetime)
     ray.get(router.report_load.remote("r0", 0, 0, 0.0))
-    serve.delete("again")
-    serve.run(noop_app, name="again", route_prefix="/again")
+    delete_apps("again")
+    run_apps(RunTarget(noop_app, name="again", route_prefix="/again"))
     again = get_or_create_router("again", page_size=1, lifetime=lifetime)
     assert again._actor_id == router._actor_id
     assert ray.get(again.route.remote(list(range(8)), None, ["r1"])).replica == "r1"
-    serve.delete("again")
+    delete_apps("again")
     ray.kill(again, no_restart=True)
 
 
-def test_the_router_ends_with_its_app_and_not_before(noop_app: object) -> None:
+def test_the_router_ends_with_its_app_and_not_before(noop_app: Application) -> None:
     """Silent replicas (one restarting, loading its model) leave the router alone while Serve
     has the app; once the app is deleted, or Serve shut down, the router ends within
     grace_s + check_s. A redeploy after that makes a fresh router that works."""
     from ray import serve
 
     lifetime = RouterLifetimeConfig(check_s=0.1, grace_s=0.5)
-    serve.run(noop_app, name="lived", route_prefix="/lived")
+    run_apps(RunTarget(noop_app, name="lived", route_prefix="/lived"))
     router = get_or_create_router("lived", page_size=1, lifetime=lifetime)
     ray.get(router.set_replicas.remote(["r0"]))
     time.sleep(1.5)  # three grace periods without a report: Serve still has the app
     assert ray.get(router.replica_ids.remote()) == ["r0"]
-    serve.delete("lived")
+    delete_apps("lived")
     assert _gone("lived", within_s=10), "the router outlived its deleted app"
 
-    serve.run(noop_app, name="lived", route_prefix="/lived")
+    run_apps(RunTarget(noop_app, name="lived", route_prefix="/lived"))
     fresh = get_or_create_router("lived", page_size=1, lifetime=lifetime)
     assert fresh._actor_id != router._actor_id
     time.sleep(1.0)
