@@ -33,7 +33,10 @@ def driver_tokenizer(model_path: str) -> Any:
     handed to the ingress replicas (see OpenAIIngress)."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(model_path)
+    try:
+        return AutoTokenizer.from_pretrained(model_path)
+    except (OSError, ValueError) as e:  # refused before any replica starts, in one line
+        raise ValueError(f"model folder {model_path!r}: no tokenizer could be loaded: {e}") from e
 
 
 def prepare_in_background(config: AppConfig) -> Future[str]:

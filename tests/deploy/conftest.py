@@ -46,9 +46,11 @@ def uncompiled_app(config: AppConfig, engine_factory: EngineFactory = uncompiled
 
 
 @pytest.fixture(scope="module")
-def model_folder(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """A config-only folder of TinyLlama-1.1B's shape: enough for settings, no weights."""
+def model_folder(tmp_path_factory: pytest.TempPathFactory, smollm2: Path) -> str:
+    """A folder of TinyLlama-1.1B's config and the default model's tokenizer: enough for
+    settings and to build an app (its builder loads the tokenizer), no weights."""
     folder = tmp_path_factory.mktemp("config-only")
+    copy_tokenizer(smollm2, folder)
     (folder / "config.json").write_text(json.dumps({
         "architectures": ["LlamaForCausalLM"], "vocab_size": 32000, "hidden_size": 2048,
         "intermediate_size": 5632, "num_hidden_layers": 22, "num_attention_heads": 32,

@@ -4,11 +4,13 @@ decoding and chat prompt), and unpickling it loads no torch."""
 
 from __future__ import annotations
 
+import json
 import pickle
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from transformers import AutoTokenizer
 
 from raydix.deploy.model_path import driver_tokenizer
@@ -39,3 +41,11 @@ def test_unpickling_the_tokenizer_loads_no_torch(smollm2: Path, tmp_path: Path) 
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                          check=True)
     assert out.stdout.strip().splitlines()[-1] == "False"
+
+
+def test_a_folder_without_a_tokenizer_is_refused_by_name(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"],
+                                                      "model_type": "llama"}))
+    with pytest.raises(ValueError, match="no tokenizer could be loaded") as refused:
+        driver_tokenizer(str(tmp_path))
+    assert str(tmp_path) in str(refused.value)
