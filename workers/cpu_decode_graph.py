@@ -126,6 +126,12 @@ class CpuDecodeGraph:
         dynamo_config = torch._dynamo.config
         dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, RECOMPILE_LIMIT)
         self._layer: Any = torch.compile(_layer_step, dynamic=False, fullgraph=True)
+        # The paged decode kernel (attention/paged_decode.py) marks the pool's buffers' slot
+        # dimension dynamic the first time it runs, and dynamo guards on that marking: marked
+        # here too, so the layer graph is compiled as the buffers will be, and the first lone
+        # decode after a batched one does not compile it again (two graphs, seconds each)
+        for buf in (*pool.k_buffers, *pool.v_buffers):
+            torch._dynamo.maybe_mark_dynamic(buf, 0)
         self._head: Any = torch.compile(_head_step, dynamic=False, fullgraph=True)
 
     @staticmethod

@@ -132,6 +132,29 @@ def test_two_requests_decode_through_the_graph_one_after_the_other(
     assert len(three) == 3 and not runs and len(eager_steps) == 3
 
 
+def test_a_lone_decode_after_a_paged_batch_does_not_compile_again(
+        tiny_models: dict[str, TinyModel], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode step of four long requests runs the compiled paged kernel, which marks the
+    pool's buffers dynamic; the next lone decode must still find its graph (it compiled both
+    layer graphs again, seconds on a server's first requests, before the graph marked them)."""
+    m = tiny_models["llama"]
+    runner = ModelRunner(WorkerConfig(str(m.folder), dtype="float32", max_running_requests=5,
+                                      max_context_len=128, max_total_tokens=1024,
+                                      cpu_decode_graph=True, cpu_compiled_attention=True))
+    backend = runner.backend
+    if runner.decode_graph is None or backend.paged_kernel is None:
+        pytest.skip("no C++ compiler: nothing is compiled")
+    paged_calls: list[int] = []
+    real_kernel = backend.paged_kernel
+    monkeypatch.setattr(backend, "paged_kernel",
+                        lambda *args: paged_calls.append(1) or real_kernel(*args))
+    prompts = [(p * 40)[:70 + i] for i, p in enumerate(m.prompts[:2] * 2)]  # >= 64 keys each
+    _generate_together(runner, prompts, 3)
+    assert paged_calls  # the batched decode steps ran the paged kernel
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        _generate(runner, m.prompts[0], 4)
+
+
 def _probe(runner: ModelRunner, seq: list[int]) -> StepPlan:
     first = runner.kv_pool.config.page_size
     return StepPlan.build(99, [ScheduledRequest(2, 0, seq, list(range(first, first + len(seq))))])
