@@ -77,9 +77,9 @@ class AppConfig(BaseModel):
         "(true with device cpu runs on fake GPUs, for tests)",
     )
     dtype: Literal["float32", "bfloat16", "float16", "auto"] | None = Field(
-        None, description="weights and KV dtype; default bf16 on CUDA, fp32 on CPU; auto: bf16 "
-        "on CUDA, on CPU the faster of fp32 and bf16 measured at start (bf16 only where the CPU "
-        "has native bf16)"
+        None, description="weights and KV dtype; default: auto; auto: bf16 on CUDA, on CPU bf16 "
+        "where the CPU has native bf16 and it measures clearly faster than fp32 at start on the "
+        "model's shape, fp32 otherwise (fp32 is exact against transformers)"
     )
     attention_backend: Literal["auto", "torch", "flashinfer"] = Field(
         "auto", description="attention kernels; auto: flashinfer on CUDA, torch on CPU"

@@ -26,7 +26,8 @@ PROMPT = "The capital of France is"
 
 
 def app_config(model: Path) -> AppConfig:
-    return AppConfig(model=str(model), served_model_name=MODEL_NAME, device="cpu",
+    # fp32: the server and the reference compute alike without each timing `--dtype auto`
+    return AppConfig(model=str(model), served_model_name=MODEL_NAME, device="cpu", dtype="float32",
                      max_total_tokens=8192, max_running_requests=16, max_context_len=512,
                      disable_cpu_decode_graph=NO_DECODE_GRAPH)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import platform
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -101,14 +102,46 @@ def test_bf16_is_packed_where_native_and_agrees_with_plain_bf16(
 def test_dtype_auto_measures_where_bf16_is_native(monkeypatch: pytest.MonkeyPatch,
                                                   caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level("INFO", logger=packed_module.__name__)
-    picked = pick_cpu_dtype(64, 192, repeats=2)
+    picked = pick_cpu_dtype(576, 1536, repeats=2)  # SmolLM2-135M's down projection
     if native_bf16():
         assert picked in (torch.float32, torch.bfloat16)
         assert "fp32" in caplog.text and "bf16" in caplog.text  # both were timed
     monkeypatch.setattr(packed_module, "native_bf16", lambda: False)
     caplog.clear()
-    assert pick_cpu_dtype(64, 192, repeats=2) == torch.float32
+    assert pick_cpu_dtype(576, 1536, repeats=2) == torch.float32
     assert "no native bf16" in caplog.text
+
+
+def test_dtype_auto_keeps_fp32_for_a_small_linear_without_timing(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A tiny model's linear is call overhead in either dtype: the pick would be a coin toss,
+    so it is fp32, the same in every process."""
+    caplog.set_level("INFO", logger=packed_module.__name__)
+    monkeypatch.setattr(packed_module, "native_bf16", lambda: True)
+    monkeypatch.setattr(packed_module, "linear", _fail_if_called)
+    assert pick_cpu_dtype(64, 192, repeats=2) == torch.float32
+    assert "too small" in caplog.text
+
+
+def _fail_if_called(*args: object) -> None:
+    raise AssertionError("timed a linear")
+
+
+@pytest.mark.parametrize(("fp32_ms", "bf16_ms", "expected"),
+                         [(2.0, 1.0, torch.bfloat16), (1.1, 1.0, torch.float32),
+                          (1.0, 2.0, torch.float32)])
+def test_dtype_auto_picks_bf16_only_when_clearly_faster(
+        monkeypatch: pytest.MonkeyPatch, fp32_ms: float, bf16_ms: float,
+        expected: torch.dtype) -> None:
+    """bf16 must be `BF16_MIN_SPEEDUP` faster: a few percent either way is the machine's noise."""
+    if not packing_supported(torch.device("cpu"), torch.float32):
+        pytest.skip("this torch build has no oneDNN linear ops")
+    monkeypatch.setattr(packed_module, "native_bf16", lambda: True)
+    monkeypatch.setattr(packed_module, "pack_weight", lambda weight, rows: weight)
+    delay = {torch.float32: fp32_ms / 1e3, torch.bfloat16: bf16_ms / 1e3}
+    monkeypatch.setattr(packed_module, "linear",
+                        lambda x, weight, packed: time.sleep(delay[packed.dtype]))
+    assert pick_cpu_dtype(576, 1536, repeats=3) == expected
 
 
 def test_runner_with_dtype_auto_runs_the_dtype_it_picked(

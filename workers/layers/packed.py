@@ -104,14 +104,27 @@ def weight_bytes(model: nn.Module) -> int:
     return total
 
 
+# bf16 must beat fp32 by this much on the model's linear to be picked, and the linear must hold
+# at least this many weights: below it a call is overhead (about 15 us for either dtype on a
+# [256 x 64] linear), the two time the same and a measured pick would be a coin toss that
+# could differ between two processes on one machine
+BF16_MIN_SPEEDUP = 1.2
+MIN_MEASURED_WEIGHTS = 1 << 18
+
+
 def pick_cpu_dtype(in_features: int, out_features: int, rows: int = 1,
                    repeats: int = 20) -> torch.dtype:
-    """`--dtype auto` on CPU: the faster of packed fp32 and packed bf16 on one linear of the
-    model's shape (`rows` input rows), measured here; fp32 where bf16 is not native."""
+    """`--dtype auto` on CPU: packed bf16 where it beats packed fp32 by `BF16_MIN_SPEEDUP` on
+    one linear of the model's shape (`rows` input rows), measured here; fp32 where bf16 is not
+    native, or where the linear is too small to tell (`MIN_MEASURED_WEIGHTS`)."""
     if not packing_supported(torch.device("cpu"), torch.float32):
         return torch.float32
     if not native_bf16():
         logger.info("dtype auto: float32 (this CPU has no native bf16: no avx512_bf16, no amx)")
+        return torch.float32
+    if in_features * out_features < MIN_MEASURED_WEIGHTS:
+        logger.info("dtype auto: float32 (a [%d x %d] linear is too small for bf16 to gain)",
+                    out_features, in_features)
         return torch.float32
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(out_features, in_features, generator=gen)
@@ -127,10 +140,12 @@ def pick_cpu_dtype(in_features: int, out_features: int, rows: int = 1,
                 linear(xd, None, packed)
             best = min(best, time.perf_counter() - start)
         seconds[dtype] = best
-    choice = min(seconds, key=seconds.__getitem__)
-    logger.info("dtype auto: %s (a [%d x %d] linear: fp32 %.3f ms, bf16 %.3f ms)",
-                str(choice).removeprefix("torch."), out_features, in_features,
-                seconds[torch.float32] / repeats * 1e3, seconds[torch.bfloat16] / repeats * 1e3)
+    faster = seconds[torch.float32] >= BF16_MIN_SPEEDUP * seconds[torch.bfloat16]
+    choice = torch.bfloat16 if faster else torch.float32
+    logger.info("dtype auto: %s (a [%d x %d] linear: fp32 %.3f ms, bf16 %.3f ms; bf16 is "
+                "picked from %.1fx faster)", str(choice).removeprefix("torch."), out_features,
+                in_features, seconds[torch.float32] / repeats * 1e3,
+                seconds[torch.bfloat16] / repeats * 1e3, BF16_MIN_SPEEDUP)
     return choice
 
 
