@@ -110,9 +110,10 @@ def serve_forever(config: AppConfig) -> None:
 
     from .app import build_app
     from .direct_ingress import direct_ingress_env, fallback_proxy_port, use_direct_ingress
-    from .serve_env import export_for_local_ray
+    from .serve_env import export_for_local_ray, poll_serve_often
 
     _catch_stop_signals()
+    poll_serve_often()
     logger.info("preparing the model %s", config.model)
     prepared = prepare_in_background(config)  # the default model is converted once (a progress bar)
     if config.address is None:
@@ -162,6 +163,7 @@ def _deploy(app: Application, config: AppConfig) -> None:
 
     from .app import ENGINE_DEPLOYMENT, replica_shortfall
     from .capacity import wait_for_nodes
+    from .serve_env import STATUS_POLL_S
 
     shortfall = replica_shortfall(config)
     if shortfall is None:
@@ -176,7 +178,7 @@ def _deploy(app: Application, config: AppConfig) -> None:
         replicas_running(APP_NAME, ENGINE_DEPLOYMENT)  # raises when the deploy failed
         if time.monotonic() > deadline:
             raise RuntimeError(f"the app did not start within {config.startup_timeout_s:g} s")
-        time.sleep(0.5)
+        time.sleep(STATUS_POLL_S)
 
 
 def replicas_running(app_name: str, deployment: str) -> int:

@@ -14,7 +14,17 @@ from dataclasses import dataclass
 
 import torch
 
+from .host_memory import zeroed
 from .layers.fused import TORCH_OPS, FusedOps
+
+
+def zero_buffer(shape: tuple[int, ...], dtype: torch.dtype,
+                device: torch.device | str) -> torch.Tensor:
+    """A pool buffer of zeros; on the CPU from the kernel's zero pages (`host_memory.zeroed`),
+    so that a large pool costs nothing to make and only the slots used are ever touched."""
+    if torch.device(device).type == "cpu":
+        return zeroed(shape, dtype)
+    return torch.zeros(shape, dtype=dtype, device=device)
 
 
 @dataclass(frozen=True)
@@ -46,9 +56,9 @@ class KVPool:
         self.config = config
         self.ops: FusedOps = TORCH_OPS
         shape = (config.num_slots, config.num_kv_heads, config.head_dim)
-        self.k_buffers = [torch.zeros(shape, dtype=config.dtype, device=device)
+        self.k_buffers = [zero_buffer(shape, config.dtype, device)
                           for _ in range(config.num_layers)]
-        self.v_buffers = [torch.zeros(shape, dtype=config.dtype, device=device)
+        self.v_buffers = [zero_buffer(shape, config.dtype, device)
                           for _ in range(config.num_layers)]
 
     @property
@@ -82,7 +92,7 @@ class MLAKVPool:
                              f"{config.num_kv_heads} heads")
         self.config = config
         shape = (config.num_slots, 1, config.head_dim)
-        self.kv_buffers = [torch.zeros(shape, dtype=config.dtype, device=device)
+        self.kv_buffers = [zero_buffer(shape, config.dtype, device)
                            for _ in range(config.num_layers)]
 
     @property
@@ -112,7 +122,7 @@ class DoubleSparseKVPool(KVPool):
             raise ValueError(f"heavy_channel_num must be in [1, head_dim={config.head_dim}], "
                              f"got {heavy_channel_num}")
         shape = (config.num_slots, config.num_kv_heads, heavy_channel_num)
-        self.label_buffers = [torch.zeros(shape, dtype=config.dtype, device=device)
+        self.label_buffers = [zero_buffer(shape, config.dtype, device)
                               for _ in range(config.num_layers)]
         self.heavy_channels = torch.zeros(config.num_layers, config.num_kv_heads,
                                           heavy_channel_num, dtype=torch.long, device=device)
