@@ -12,13 +12,11 @@ from pathlib import Path
 
 import openai
 import pytest
-import torch
 
 from raydix.deploy.cli import build_parser, load_config, local_cpus_needed, main
 from raydix.deploy.config import AppConfig
 from raydix.deploy.cpu_threads import default_cpu_threads
 from raydix.deploy.engine_settings import engine_config
-from raydix.workers.config import WorkerConfig
 
 from .conftest import MODEL_NAME, free_port
 
@@ -139,20 +137,6 @@ def test_engine_config_from_app_config(smollm2: Path) -> None:
     assert engine_config(plain, str(smollm2), "cpu").scheduler.max_prefill_tokens == 512
     cuda = engine_config(plain, str(smollm2), "cuda").scheduler
     assert (cuda.max_prefill_tokens, cuda.chunked_prefill_size) == (8192, 2048)
-
-
-def test_the_server_dtype_defaults_to_auto(smollm2: Path) -> None:
-    """`raydix serve` computes in the dtype the CPU runs fastest (bf16 where native and measured
-    faster), as vLLM's CPU build defaults to bf16; an explicit dtype is kept, and the in-process
-    engine's own default stays fp32, exact against transformers."""
-    on_cpu = engine_config(AppConfig(model=str(smollm2)), str(smollm2), "cpu").worker
-    assert on_cpu.dtype == "auto" and on_cpu.dtype_measured
-    on_cuda = engine_config(AppConfig(model=str(smollm2)), str(smollm2), "cuda").worker
-    assert on_cuda.dtype == "auto" and on_cuda.torch_dtype == torch.bfloat16
-    pinned = engine_config(parse("--model", str(smollm2), "--dtype", "float32"), str(smollm2),
-                           "cpu").worker
-    assert pinned.dtype == "float32" and not pinned.dtype_measured
-    assert WorkerConfig(str(smollm2)).torch_dtype == torch.float32
 
 
 @pytest.mark.parametrize(("argv", "named"), [

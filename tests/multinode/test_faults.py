@@ -19,16 +19,18 @@ from raydix.deploy.server import ReplicaStats
 
 from .conftest import (
     APP,
-    Outcome,
     SimCluster,
     all_replica_stats,
-    check_outcome,
-    http_generate,
     replica_ranks,
     router_of,
     router_view,
     running_replica_ids,
     wait_until,
+)
+from .sim_requests import (
+    Outcome,
+    check_outcome,
+    http_generate,
 )
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]

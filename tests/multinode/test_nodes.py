@@ -23,18 +23,20 @@ from raydix.deploy.server import ReplicaStats
 from .conftest import (
     APP,
     GPUS_PER_NODE,
-    Outcome,
     SimCluster,
     all_replica_stats,
     app_config,
-    check_outcome,
-    generate,
     node_of,
     replica_ranks,
     router_of,
     router_view,
     running_replica_ids,
     wait_until,
+)
+from .sim_requests import (
+    Outcome,
+    check_outcome,
+    generate,
 )
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
