@@ -76,8 +76,8 @@ class AppConfig(BaseModel):
         description="reserve one Ray GPU per rank; default: when device is cuda "
         "(true with device cpu runs on fake GPUs, for tests)",
     )
-    dtype: Literal["float32", "bfloat16", "float16", "auto"] | None = Field(
-        None, description="weights and KV dtype; default: auto; auto: bf16 on CUDA, on CPU bf16 "
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = Field(
+        "auto", description="weights and KV dtype; auto: bf16 on CUDA, on CPU bf16 "
         "where the CPU has native bf16 and it measures clearly faster than fp32 at start on the "
         "model's shape, fp32 otherwise (fp32 is exact against transformers)"
     )

@@ -85,7 +85,7 @@ def engine_config(config: AppConfig, model_path: str, device: str) -> EngineConf
         model_path=model_path,
         tp_size=config.tp,
         device=device,
-        dtype=config.dtype or "auto",  # the server's default: the fastest the CPU runs
+        dtype=config.dtype,
         attention_backend=backend,
         cuda_graph=graphs,
         cuda_graph_max_batch=config.cuda_graph_max_bs,
