@@ -85,14 +85,15 @@ def run_side(path: Path | None, workload: str, threads: int, dtype: str) -> tupl
 
 
 def compare(rev: str, rounds: int, threads: int, workloads: list[str], bf16: bool,
-            new_dtype: str = "float32") -> None:
+            new_dtype: str = "float32", base_dtype: str = "float32") -> None:
     path = checkout(rev)
-    print(f"new: {REPO} (HEAD, {new_dtype})   baseline: {rev} (float32) at {path.parent / 'tree'}"
+    print(f"new: {REPO} (HEAD, {new_dtype})   baseline: {rev} ({base_dtype}) at "
+          f"{path.parent / 'tree'}"
           f"   torch threads {threads}, {rounds} rounds alternating, each run in a fresh process")
     for workload in workloads:
         sides: dict[str, list[tuple[float, float]]] = {"base": [], "new": []}
         for _ in range(rounds):  # alternate, so that a busy spell hits both sides
-            sides["base"].append(run_side(path, workload, threads, "float32"))
+            sides["base"].append(run_side(path, workload, threads, base_dtype))
             sides["new"].append(run_side(None, workload, threads, new_dtype))
         _print_rows(workload, sides)
     if bf16:

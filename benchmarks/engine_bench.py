@@ -229,14 +229,17 @@ def main() -> None:
     parser.add_argument("--new-dtype", default="float32",
                         choices=("float32", "bfloat16", "auto"),
                         help="with --against: the new side's dtype (auto: as `--dtype auto` "
-                        "picks on this CPU); the base runs float32")
+                        "picks on this CPU); the base runs --base-dtype")
+    parser.add_argument("--base-dtype", default="float32", choices=("float32", "bfloat16"),
+                        help="with --against: the base's dtype (default float32)")
     args = parser.parse_args()
     if args.against:
         from _against import DECODE_GRAPH_ENV, WORKLOADS, compare
 
         os.environ[DECODE_GRAPH_ENV] = "0" if args.no_decode_graph else "1"
         compare(args.against, args.rounds, args.threads or 2,
-                args.against_workloads or list(WORKLOADS), args.bf16, args.new_dtype)
+                args.against_workloads or list(WORKLOADS), args.bf16, args.new_dtype,
+                args.base_dtype)
         return
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -19,7 +19,7 @@ from .attention import (
     paged_decode,
 )
 from .config import ModelConfig, WorkerConfig
-from .cpu_decode_graph import CpuDecodeGraph, wanted
+from .cpu_decode_graph import BATCHED_DTYPES, CpuDecodeGraph, wanted
 from .device import resolve_device
 from .double_sparse import make_double_sparse
 from .grammar import GrammarCompiler, GrammarTable
@@ -138,9 +138,11 @@ class ModelRunner:
         self.grammars = GrammarTable(  # driving rank only; xgrammar loads on the first grammar
             GrammarCompiler(config.model_path, mc.vocab_size, mc.eos_token_ids), self.device)
         if use_graph and isinstance(self.kv_pool, KVPool):
-            self.decode_graph = CpuDecodeGraph(self.model, self.kv_pool, self.req_to_token)
+            self.decode_graph = CpuDecodeGraph(self.model, self.kv_pool, self.req_to_token,
+                                               batched=dtype in BATCHED_DTYPES)
             logger.info("CPU decode graph: compiling (about 15 s on 2 cores the first time on "
-                        "this machine; later starts load it from inductor's cache)")
+                        "this machine, 25 s with the batched graph of bf16; later starts load "
+                        "it from inductor's cache)")
             logger.info("CPU decode graph ready in %.1f s", self.decode_graph.warm_up())
         self.warm_up: WarmUpResult | None = None
         if config.warm_up:  # before the graphs: eager kernels compile first, then are captured

@@ -70,9 +70,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor | None, packed: torch.Tensor | 
         # the GEMM library, which computes one row at about half the memory bandwidth
         y = (x[:, None, :] * weight[None]).sum(-1)
         return y if bias is None else y + bias
-    if (weight.device.type == "cpu" and weight.dtype == torch.float32 and x.dtype == weight.dtype
-            and x.dim() == 2
-            and _onednn_linear_ops() and not torch.compiler.is_compiling()):
+    if (not torch.compiler.is_compiling() and weight.device.type == "cpu"
+            and weight.dtype == torch.float32 and x.dtype == weight.dtype and x.dim() == 2
+            and _onednn_linear_ops()):
         # oneDNN on the plain weight: MKL's F.linear is 1.4-2.7x slower on this AMD CPU at 4-64
         # rows (benchmarks/gemv_bench.py); equal at 512
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")

@@ -1,0 +1,80 @@
+"""The CPU decode graph's batched graph (workers/cpu_decode_graph.py, `BATCHED_DTYPES`): in
+bf16, decode steps of three or more requests run one compiled graph whatever their number and
+lengths (nothing compiles after the warm-up), and their logits agree with the eager step's
+within bf16's rounding; fp32 batches stay eager."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from raydix.workers import cpu_decode_graph
+from raydix.workers.config import WorkerConfig
+from raydix.workers.runner import ModelRunner
+from raydix.workers.step import ScheduledRequest, StepPlan
+
+from .conftest import TinyModel
+
+STEPS = 6
+BF16_LOGITS = dict(atol=0.1, rtol=0.05)  # two bf16 paths rounding at different points
+
+
+def _runner(m: TinyModel, graph: bool, dtype: str = "bfloat16") -> ModelRunner:
+    return ModelRunner(WorkerConfig(str(m.folder), dtype=dtype, max_running_requests=5,
+                                    max_context_len=64, max_total_tokens=512,
+                                    cpu_decode_graph=graph))
+
+
+def _decode_logits(runner: ModelRunner, prompts: list[list[int]],
+                   tokens: list[list[int]]) -> list[np.ndarray]:
+    """Prefill `prompts` in one step, then decode them side by side on the given tokens
+    (teacher-forced, so that two runners see the same inputs); each step's logits [B, vocab].
+    Requests drop out as their tokens run out: the batch shrinks."""
+    first = runner.kv_pool.config.page_size + 7
+    slots = []
+    for p, t in zip(prompts, tokens, strict=True):
+        slots.append(list(range(first, first + len(p) + len(t))))
+        first += len(p) + len(t)
+    runner.forward(StepPlan.build(0, [ScheduledRequest(1 + i, 0, p, s[:len(p)])
+                                      for i, (p, s) in enumerate(zip(prompts, slots,
+                                                                     strict=True))]))
+    steps = []
+    for step in range(max(len(t) for t in tokens)):
+        logits = runner.forward(StepPlan.build(1 + step, [
+            ScheduledRequest(1 + i, len(p) + step, [t[step]], [s[len(p) + step]])
+            for i, (p, s, t) in enumerate(zip(prompts, slots, tokens, strict=True))
+            if step < len(t)]))
+        steps.append(logits.float().numpy())
+    return steps
+
+
+def test_bf16_batches_run_one_graph_and_agree_with_the_eager_step(
+        tiny_models: dict[str, TinyModel], monkeypatch: pytest.MonkeyPatch) -> None:
+    m = tiny_models["llama"]
+    graph_runner, eager = _runner(m, graph=True), _runner(m, graph=False)
+    graph = graph_runner.decode_graph
+    assert graph is not None and graph._batch_layer is not None
+    batched: list[int] = []
+    real = graph._replay_batch
+    monkeypatch.setattr(graph, "_replay_batch", lambda batch: batched.append(batch.batch_size)
+                        or real(batch))
+    # four requests of different lengths; two stop early, so the steps have 4, then 3 requests
+    prompts = [*m.prompts, m.prompts[0][:4] + m.prompts[1]]
+    gen = torch.Generator().manual_seed(3)
+    tokens = [torch.randint(3, 250, (n,), generator=gen).tolist()
+              for n in (STEPS, STEPS, STEPS // 2, STEPS)]
+    with torch._dynamo.config.patch(error_on_recompile=True):  # the warm-up compiled it all
+        got = _decode_logits(graph_runner, prompts, tokens)
+    assert batched == [4] * (STEPS // 2) + [3] * (STEPS - STEPS // 2)
+    want = _decode_logits(eager, prompts, tokens)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(torch.from_numpy(g), torch.from_numpy(w), **BF16_LOGITS)
+    # the comparison can fail: the logits move by more than its tolerance from step to step
+    assert float(np.abs(got[1] - got[0]).max()) > 1.0
+
+
+def test_fp32_batches_stay_eager(tiny_models: dict[str, TinyModel]) -> None:
+    runner = _runner(tiny_models["llama"], graph=True, dtype="float32")
+    assert runner.decode_graph is not None and runner.decode_graph._batch_layer is None
+    assert torch.float32 not in cpu_decode_graph.BATCHED_DTYPES
