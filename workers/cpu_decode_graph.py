@@ -152,6 +152,14 @@ MAX_REQUESTS = 2
 BATCHED_DTYPES = (torch.bfloat16,)
 
 
+def _as_warmed_up(batch: ForwardBatch) -> bool:
+    """The step's input tensors are of the kind the warm-up's were (as the runner makes them):
+    int64, one dimension, contiguous, at the start of their storage, inference tensors."""
+    return all(t.dtype == torch.int64 and t.dim() == 1 and t.is_contiguous()
+               and t.storage_offset() == 0 and t.is_inference()
+               for t in (batch.input_ids, batch.positions, batch.out_cache_loc))
+
+
 class CpuDecodeGraph:
     """Runs decode steps through the compiled layers: one graph serves every decoder layer
     (torch.compile inlines the module, so its weights are inputs and the layers share the
@@ -174,6 +182,7 @@ class CpuDecodeGraph:
         for buf in (*pool.k_buffers, *pool.v_buffers):
             torch._dynamo.maybe_mark_dynamic(buf, 0)
         self._head: Any = torch.compile(_head_step, dynamic=False, fullgraph=True)
+        self.skip_guards = False  # set by warm_up (see replay)
         # decode steps of more than MAX_REQUESTS: one graph, the batch dynamic; None: eager
         self._batch_layer: Any = (torch.compile(_batch_layer_step, dynamic=False, fullgraph=True)
                                   if batched else None)
@@ -187,7 +196,20 @@ class CpuDecodeGraph:
 
     def replay(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits [B, vocab] of the step's decode tokens: one request after the other up to
-        MAX_REQUESTS, all at once through the batched graph above."""
+        MAX_REQUESTS, all at once through the batched graph above.
+
+        After the warm-up, steps whose inputs are of the kind it compiled for skip dynamo's
+        guard checks (31 calls a step at about 55 us each: one stream 52 -> 57 tok/s, bf16, two
+        threads): every graph a step can need exists by then (the tests run each path under
+        `error_on_recompile`), and dynamo still checks the guards that tell its graphs apart
+        (the first layer's from the others', one request's from a batch's). Other inputs take
+        the guarded path, which compiles what they need."""
+        if self.skip_guards and _as_warmed_up(batch):
+            with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+                return self._replay(batch)
+        return self._replay(batch)
+
+    def _replay(self, batch: ForwardBatch) -> torch.Tensor:
         if batch.batch_size > MAX_REQUESTS:
             return self._replay_batch(batch)
         if batch.batch_size == 1:
@@ -259,4 +281,5 @@ class CpuDecodeGraph:
                                          input_ids=torch.from_numpy(zero.copy()),
                                          positions=torch.from_numpy(zero + 1),
                                          out_cache_loc=torch.from_numpy(zero.copy())))
+        self.skip_guards = True
         return time.perf_counter() - start

@@ -78,3 +78,30 @@ def test_fp32_batches_stay_eager(tiny_models: dict[str, TinyModel]) -> None:
     runner = _runner(tiny_models["llama"], graph=True, dtype="float32")
     assert runner.decode_graph is not None and runner.decode_graph._batch_layer is None
     assert torch.float32 not in cpu_decode_graph.BATCHED_DTYPES
+
+
+def test_steps_that_skip_the_guards_run_the_graphs_the_guards_would_pick(
+        tiny_models: dict[str, TinyModel], monkeypatch: pytest.MonkeyPatch) -> None:
+    """After the warm-up a step skips dynamo's guard checks; the graph each call runs (the first
+    layer's or another's, one request's or a batch's) must be the one the guards pick: the
+    same logits, bit for bit, with and without skipping."""
+    m = tiny_models["llama"]
+    runner = _runner(m, graph=True)
+    graph = runner.decode_graph
+    assert graph is not None and graph.skip_guards
+    skipped: list[bool] = []
+    real = cpu_decode_graph._as_warmed_up
+    monkeypatch.setattr(cpu_decode_graph, "_as_warmed_up",
+                        lambda batch: skipped.append(real(batch)) or skipped[-1])
+    prompts = [*m.prompts, m.prompts[0][:4] + m.prompts[1]]
+    gen = torch.Generator().manual_seed(5)
+    # steps of 4 requests (the batched graph), then 2 and 1 (the one-request graphs)
+    tokens = [torch.randint(3, 250, (n,), generator=gen).tolist() for n in (6, 4, 2, 2)]
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        fast = _decode_logits(runner, prompts, tokens)
+    assert skipped and all(skipped)  # the runner's inputs are of the warm-up's kind
+    graph.skip_guards = False
+    guarded = _decode_logits(runner, prompts, tokens)
+    assert [g.shape[0] for g in guarded] == [4, 4, 2, 2, 1, 1]
+    for f, g in zip(fast, guarded, strict=True):
+        np.testing.assert_array_equal(f, g)
