@@ -18,13 +18,13 @@ the weights plain (one copy) rather than oneDNN-packed. Models served: the Llama
 Qwen2/3, Mistral, Gemma, Phi-3) at tp 1 whose layers are all plain (no sliding window, no logit
 soft cap, the default softmax scale); others run eagerly, as `eligible` says.
 
-Decode steps of three or more requests run a second graph in bf16 (`BATCHED_DTYPES`): the
+Decode steps of three or more requests run a second graph (bf16 and fp32, `BATCHED_DTYPES`): the
 same layer traced for a batch whose size and key count are dynamic (one compile serves every
-batch), its linear layers the GEMM library's products (inductor calls them as the eager step
-does) and everything between them fused, attention the paged kernel's source on each request's
-pages. A step of 16 requests (SmolLM2-135M, bf16, two threads) took 42 ms against 62 eagerly. In
-fp32 inductor calls MKL's sgemm for those products, slower on this AMD CPU than the oneDNN
-call the eager step makes (98 against 71 ms a step): fp32 batches stay eager.
+batch), its linear layers the GEMM library's products as the eager step calls them (bf16:
+inductor's own call; fp32: oneDNN's, as `raydix::onednn_linear`, where inductor would call MKL's
+sgemm, slower on AMD CPUs) and everything between them fused, attention the paged kernel's source
+on each request's pages. A mixed workload's decode steps (SmolLM2-135M, two threads, mean of 112
+steps of 1-16 requests) took 42-45 ms against 62 eagerly in bf16, 65-67 against 76-78 in fp32.
 
 The graphs are compiled at start (`warm_up`); inductor keeps the compiled code in its on-disk
 cache (`TORCHINDUCTOR_CACHE_DIR`), so a restart on the same machine loads it.
@@ -149,7 +149,7 @@ RECOMPILE_LIMIT = 16
 MAX_REQUESTS = 2
 
 # dtypes whose larger decode steps run the batched graph (see the module's docstring)
-BATCHED_DTYPES = (torch.bfloat16,)
+BATCHED_DTYPES = (torch.bfloat16, torch.float32)
 
 
 def _as_warmed_up(batch: ForwardBatch) -> bool:

@@ -124,19 +124,20 @@ def test_two_requests_decode_through_the_graph_one_after_the_other(
     assert_greedy_equal(got, ref, prompts, m.hf,
                         lambda seqs: [graph_runner.forward(_probe(graph_runner, s))[0].numpy()
                                       for s in seqs], "llama decode graph, two requests")
-    # three requests decode eagerly
+    # three requests take the batched graph (test_cpu_batch_graph.py), not the one-request one
     eager_steps.clear()
     runs.clear()
     three = _generate_together(graph_runner, m.prompts[:3] if len(m.prompts) >= 3
                                else [*m.prompts[:2], m.prompts[0]], 3)
-    assert len(three) == 3 and not runs and len(eager_steps) == 3
+    assert len(three) == 3 and not runs and len(eager_steps) == 1  # the prefill
 
 
 def test_a_lone_decode_after_a_paged_batch_does_not_compile_again(
         tiny_models: dict[str, TinyModel], monkeypatch: pytest.MonkeyPatch) -> None:
-    """A decode step of four long requests runs the compiled paged kernel, which marks the
-    pool's buffers dynamic; the next lone decode must still find its graph (it compiled both
-    layer graphs again, seconds on a server's first requests, before the graph marked them)."""
+    """A step with four long decodes that runs eagerly (a mixed step; here the batched graph is
+    held back) runs the compiled paged kernel, which marks the pool's buffers dynamic; the next
+    lone decode must still find its graph (it compiled both layer graphs again, seconds on a
+    server's first requests, before the graph marked them), and so must the next batch."""
     m = tiny_models["llama"]
     runner = ModelRunner(WorkerConfig(str(m.folder), dtype="float32", max_running_requests=5,
                                       max_context_len=128, max_total_tokens=1024,
@@ -149,10 +150,17 @@ def test_a_lone_decode_after_a_paged_batch_does_not_compile_again(
     monkeypatch.setattr(backend, "paged_kernel",
                         lambda *args: paged_calls.append(1) or real_kernel(*args))
     prompts = [(p * 40)[:70 + i] for i, p in enumerate(m.prompts[:2] * 2)]  # >= 64 keys each
+    graph = runner.decode_graph
+    batch_layer = graph._batch_layer
+    monkeypatch.setattr(graph, "_batch_layer", None)  # decode steps of 3+ requests run eagerly
     _generate_together(runner, prompts, 3)
     assert paged_calls  # the batched decode steps ran the paged kernel
+    monkeypatch.setattr(graph, "_batch_layer", batch_layer)
+    paged_calls.clear()
     with torch._dynamo.config.patch(error_on_recompile=True):
         _generate(runner, m.prompts[0], 4)
+        _generate_together(runner, prompts, 3)
+    assert not paged_calls  # the batch went through the batched graph
 
 
 def _probe(runner: ModelRunner, seq: list[int]) -> StepPlan:

@@ -44,6 +44,9 @@ def _onednn_linear_ops() -> bool:
             and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
+_ONEDNN_LINEAR = _onednn_linear_ops()
+
+
 def packing_supported(device: torch.device, dtype: torch.dtype) -> bool:
     """oneDNN packed linear runs here: a CPU build with oneDNN's linear ops, fp32, or bf16 on a
     CPU with native bf16."""
@@ -55,6 +58,20 @@ def packing_supported(device: torch.device, dtype: torch.dtype) -> bool:
 def pack_weight(weight: torch.Tensor, batch_hint: int) -> torch.Tensor:
     """`weight` `[out, in]` in oneDNN's layout, tuned for about `batch_hint` rows of input."""
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), batch_hint)
+
+
+@torch.library.custom_op("raydix::onednn_linear", mutates_args=())
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor,
+                  bias: torch.Tensor | None) -> torch.Tensor:
+    """oneDNN's product on the plain fp32 weight, as one opaque operator for compiled graphs:
+    inductor would call MKL's sgemm for `F.linear` (1.4-2.7x slower on AMD CPUs at 4-64 rows),
+    and lowers oneDNN's own operator only for weights it packed itself."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+@onednn_linear.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0])
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor | None, packed: torch.Tensor | None,
@@ -70,12 +87,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor | None, packed: torch.Tensor | 
         # the GEMM library, which computes one row at about half the memory bandwidth
         y = (x[:, None, :] * weight[None]).sum(-1)
         return y if bias is None else y + bias
-    if (not torch.compiler.is_compiling() and weight.device.type == "cpu"
-            and weight.dtype == torch.float32 and x.dtype == weight.dtype and x.dim() == 2
-            and _onednn_linear_ops()):
+    if (weight.device.type == "cpu" and weight.dtype == torch.float32 and x.dtype == weight.dtype
+            and x.dim() == 2):
         # oneDNN on the plain weight: MKL's F.linear is 1.4-2.7x slower on this AMD CPU at 4-64
-        # rows (benchmarks/gemv_bench.py); equal at 512
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
+        # rows (benchmarks/gemv_bench.py); equal at 512. In a compiled graph (the CPU decode
+        # graph's batches) as an operator of its own (dynamo does not trace the check)
+        if torch.compiler.is_compiling():
+            if _ONEDNN_LINEAR:
+                return onednn_linear(x.contiguous(), weight, bias)
+        elif _onednn_linear_ops():
+            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [],
+                                                      "")
     return F.linear(x, weight, bias)
 
 
