@@ -101,3 +101,39 @@ def test_steps_that_skip_the_guards_run_the_graphs_the_guards_would_pick(
     assert [g.shape[0] for g in guarded] == [4, 4, 2, 2, 1, 1]
     for f, g in zip(fast, guarded, strict=True):
         np.testing.assert_array_equal(f, g)
+
+
+def test_requests_on_a_long_shared_prefix_decode_eagerly_through_the_cascade(
+        tiny_models: dict[str, TinyModel], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past `CASCADE_KEYS_SAVED` shared key reads a step, the eager step's cascade reads the
+    shared keys once and wins: such a step does not take the batched graph."""
+    m = tiny_models["llama"]
+    runner = _runner(m, graph=True)
+    graph = runner.decode_graph
+    assert graph is not None
+    batched: list[int] = []
+    real = graph._replay_batch
+    monkeypatch.setattr(graph, "_replay_batch", lambda batch: batched.append(batch.batch_size)
+                        or real(batch))
+    gen = torch.Generator().manual_seed(11)
+    shared = torch.randint(3, 250, (40,), generator=gen).tolist()  # a cascade group's minimum: 32
+    prompts = [shared + torch.randint(3, 250, (5,), generator=gen).tolist() for _ in range(4)]
+    tokens = [torch.randint(3, 250, (3,), generator=gen).tolist() for _ in range(4)]
+    slots_first = runner.kv_pool.config.page_size + 7
+
+    def decode() -> None:  # the four requests on one shared run of slots for the prefix
+        runner.forward(StepPlan.build(0, [ScheduledRequest(
+            1 + i, 0, p, list(range(slots_first, slots_first + 40))
+            + list(range(slots_first + 40 + 8 * i, slots_first + 45 + 8 * i)))
+            for i, p in enumerate(prompts)]))
+        for step in range(3):
+            runner.forward(StepPlan.build(1 + step, [ScheduledRequest(
+                1 + i, 45 + step, [t[step]], [slots_first + 45 + 8 * i + step])
+                for i, t in enumerate(tokens)]))
+
+    decode()  # 3 x ~40 keys saved: under the threshold, through the graph
+    assert batched == [4, 4, 4]
+    batched.clear()
+    monkeypatch.setattr(cpu_decode_graph, "CASCADE_KEYS_SAVED", 100)
+    decode()
+    assert batched == []
