@@ -37,20 +37,16 @@ def native_bf16() -> bool:
     return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
 
 
-@functools.cache
-def _onednn_linear_ops() -> bool:
-    return (torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
-
-
-_ONEDNN_LINEAR = _onednn_linear_ops()
+# this torch build has oneDNN's linear ops (read once: dynamo does not trace the check)
+_ONEDNN_LINEAR = (torch.backends.mkldnn.is_available()
+                  and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+                  and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
 def packing_supported(device: torch.device, dtype: torch.dtype) -> bool:
     """oneDNN packed linear runs here: a CPU build with oneDNN's linear ops, fp32, or bf16 on a
     CPU with native bf16."""
-    if device.type != "cpu" or not _onednn_linear_ops():
+    if device.type != "cpu" or not _ONEDNN_LINEAR:
         return False
     return dtype == torch.float32 or (dtype == torch.bfloat16 and native_bf16())
 
@@ -95,7 +91,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor | None, packed: torch.Tensor | 
         if torch.compiler.is_compiling():
             if _ONEDNN_LINEAR:
                 return onednn_linear(x.contiguous(), weight, bias)
-        elif _onednn_linear_ops():
+        elif _ONEDNN_LINEAR:
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [],
                                                       "")
     return F.linear(x, weight, bias)
