@@ -165,13 +165,24 @@ class EngineServer:
         self.replica_id = _replica_id()
         self._audit = CacheAudit(settings.debug_cache_audit)
         events = EventBuffer() if routing is not None and settings.router_events else None
+        loop = asyncio.get_running_loop()  # the constructor runs on the replica's event loop
+        self._leaving: asyncio.Task[None] | None = None
+
+        def engine_failed(error: BaseException) -> None:  # on the engine's loop thread
+            loop.call_soon_threadsafe(self._leave, f"its engine stopped: {error!r}")
+
         start = time.perf_counter()
         with StartupLog() as startup:
             if settings.cpu_threads is not None:
                 was_nice = use_cpu_threads(settings.cpu_threads)
                 if was_nice != os.getpriority(os.PRIO_PROCESS, 0):
                     logger.info("priority: nice %d -> 0", was_nice)
-            engine = engine_factory(engine_config, settings, events)
+            # built on the engine's loop thread, which steps it: one OpenMP team (async_engine.py)
+            self.engine = AsyncEngine(
+                functools.partial(engine_factory, engine_config, settings, events),
+                max_waiting_requests=settings.max_waiting_requests, on_error=engine_failed,
+                stream_interval=settings.stream_interval)
+        engine = self.engine.engine
         executor = engine.executor
         threads = None
         if settings.cpu_threads is not None:  # the rank runs here: torch is loaded already
@@ -184,14 +195,6 @@ class EngineServer:
             executor.max_num_tokens,
             threads,
             time.perf_counter() - start, startup.lines)
-        loop = asyncio.get_running_loop()  # the constructor runs on the replica's event loop
-        self._leaving: asyncio.Task[None] | None = None
-
-        def engine_failed(error: BaseException) -> None:  # on the engine's loop thread
-            loop.call_soon_threadsafe(self._leave, f"its engine stopped: {error!r}")
-
-        self.engine = AsyncEngine(engine, max_waiting_requests=settings.max_waiting_requests,
-                                  on_error=engine_failed, stream_interval=settings.stream_interval)
         self.node_id = _node_id()
         self.ranks_info = tuple(
             RankInfo(self.replica_id, r.tp_rank, r.node_id or self.node_id, r.worker)

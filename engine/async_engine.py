@@ -1,5 +1,15 @@
 """An asyncio face for the synchronous engine: one loop thread owns the engine.
 
+The loop thread builds the engine (given a function that makes one) and steps it, so a rank
+that runs in this process does all its torch work on that one thread. torch's CPU kernels run
+on GNU OpenMP, which keeps a team of worker threads for every thread that starts a parallel
+region; once the process holds more of them than it has CPUs (an engine loaded and warmed up on
+one thread and stepped on another: two teams), every team spins only briefly before sleeping,
+and each parallel region waits for its workers to wake. The default model on 2 cores, built on
+the main thread: one stream 44-48 tokens/s stepped there, 30-32 stepped on another thread (1.3
+of the 2 cores busy); built and stepped on one thread, 42-45 (`AsyncEngine`'s own figures:
+24 against 41 on the same machine before it built the engine itself).
+
 Only the loop thread touches the engine. Callers on the event loop hand it commands (add a
 request, abort one, run a function) through a locked list; the thread applies them between
 steps, runs ``engine.step()`` while there is work and sleeps on a condition otherwise. Each
@@ -75,17 +85,18 @@ MAX_WAITING_REQUESTS = 256  # the default admission bound beyond the running req
 
 
 class AsyncEngine:
-    """Runs `engine` in a daemon thread; `generate` streams one request's outputs."""
+    """Runs `engine` in a daemon thread (given a function that makes it, builds it there first:
+    see the module's docstring); `generate` streams one request's outputs."""
 
-    def __init__(self, engine: Engine, max_waiting_requests: int = MAX_WAITING_REQUESTS,
+    def __init__(self, engine: Engine | Callable[[], Engine],
+                 max_waiting_requests: int = MAX_WAITING_REQUESTS,
                  retry_after_s: int = 1,
                  on_error: Callable[[BaseException], None] | None = None,
                  stream_interval: int = 1) -> None:
         if max_waiting_requests < 0:
             raise ValueError(f"max_waiting_requests must be >= 0, got {max_waiting_requests}")
         self._hold = StreamHold(stream_interval)  # loop thread only
-        self.engine = engine
-        self.max_in_flight = engine.config.scheduler.max_running_requests + max_waiting_requests
+        self.engine: Engine
         self.retry_after_s = retry_after_s
         self.num_in_flight = 0  # touched on the event loop only
         self._commands: list[_Add | _Abort | _Call] = []
@@ -96,8 +107,13 @@ class AsyncEngine:
         self._closed_reason = ""
         self._error: BaseException | None = None
         self._on_error = on_error
-        self._thread = threading.Thread(target=self._run, name="raydix-engine-loop", daemon=True)
+        built: concurrent.futures.Future[Engine] = concurrent.futures.Future()
+        self._thread = threading.Thread(target=self._run, args=(engine, built),
+                                        name="raydix-engine-loop", daemon=True)
         self._thread.start()
+        self.engine = built.result()  # the engine's build error, if any, raises here
+        self.max_in_flight = (self.engine.config.scheduler.max_running_requests
+                              + max_waiting_requests)
 
     # ----------------------------------------------------------------- event-loop side
     async def generate(self, prompt_ids: Sequence[int], params: GenerationParams,
@@ -198,7 +214,15 @@ class AsyncEngine:
             raise EngineDeadError("the engine is shut down")
 
     # ------------------------------------------------------------------ loop-thread side
-    def _run(self) -> None:
+    def _run(self, engine: Engine | Callable[[], Engine],
+             built: concurrent.futures.Future[Engine]) -> None:
+        try:
+            self.engine = engine() if callable(engine) else engine
+        except BaseException as e:  # the constructor raises it; there is no loop to end
+            self._closed = True
+            built.set_exception(e)
+            return
+        built.set_result(self.engine)
         reason = "the engine is shut down"
         try:
             while True:

@@ -1,8 +1,11 @@
-"""On a CPU the engine replica computes on the threads it reserves, at the normal priority."""
+"""On a CPU the engine replica computes on the threads it reserves, at the normal priority, and
+its rank's torch work (loading, warming up, stepping) all happens on one thread."""
 
 from __future__ import annotations
 
+import asyncio
 import os
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,6 +16,14 @@ from raydix.deploy.app import replica_cpu_threads
 from raydix.deploy.config import AppConfig
 from raydix.deploy.cpu_threads import THREADS_ON_SMALL_MACHINES, default_cpu_threads
 from raydix.deploy.replica_facts import ReplicaFacts
+from raydix.deploy.server import EngineServer, ReplicaSettings
+from raydix.engine.async_engine import AsyncEngine
+from raydix.engine.config import EngineConfig, SchedulerConfig
+from raydix.engine.engine import Engine
+from raydix.engine.executor import LocalExecutor
+from raydix.engine.request import GenerationParams
+from raydix.workers.config import WorkerConfig
+from raydix.workers.step import StepPlan, StepResult
 from tests.serve_apps import delete_apps
 
 from .conftest import MODEL_NAME, NO_DECODE_GRAPH, ServeCluster, uncompiled_app
@@ -37,6 +48,59 @@ def test_replicas_share_the_cores_and_other_ranks_refuse_the_setting() -> None:
         replica_cpu_threads(AppConfig(cpu_threads=2), "cuda", [{"CPU": 1}, {"GPU": 1}])
     with pytest.raises(ValueError, match="cpu_threads"):
         replica_cpu_threads(AppConfig(cpu_threads=2, tp=2), "cpu", [{"CPU": 1}] * 3)
+
+
+def test_the_replica_loads_and_steps_its_rank_on_one_thread(tiny_llama: Path) -> None:
+    """OpenMP keeps a team of worker threads per thread that computes; with two teams on two
+    cores (the rank loaded on the event loop, stepped on the engine's loop thread) each step
+    waits for sleeping workers (async_engine.py). So the thread that loads the rank steps it."""
+    loaded: list[int] = []
+    stepped: set[int] = set()
+
+    def make(config: EngineConfig, settings: ReplicaSettings, sink: object) -> Engine:
+        loaded.append(threading.get_ident())
+        engine = Engine(config)  # the rank in this process: LocalExecutor loads the model here
+        assert isinstance(engine.executor, LocalExecutor)
+        worker = engine.executor.worker
+        step = worker.step
+
+        def recording_step(plan: StepPlan) -> StepResult:
+            stepped.add(threading.get_ident())
+            return step(plan)
+
+        worker.step = recording_step  # type: ignore[method-assign]
+        return engine
+
+    async def run() -> tuple[int, list[int]]:
+        config = EngineConfig.build(WorkerConfig(model_path=str(tiny_llama), max_total_tokens=2048),
+                                    SchedulerConfig(max_running_requests=4, max_context_len=256))
+        server = EngineServer(config, engine_factory=make)
+        try:
+            tokens = []
+            params = GenerationParams(max_new_tokens=6, ignore_eos=True)
+            async for outputs in server.generate([5, 6, 7, 8], params, "r"):
+                tokens += [t for out in outputs for t in out.new_token_ids]
+            return threading.get_ident(), tokens
+        finally:
+            server.engine.shutdown()
+
+    event_loop_thread, tokens = asyncio.run(run())
+    assert len(tokens) == 6
+    assert len(loaded) == 1 and stepped == set(loaded)
+    assert event_loop_thread not in stepped
+
+
+def test_an_engine_that_fails_to_build_raises_from_the_constructor() -> None:
+    def broken() -> Engine:
+        raise ValueError("no such model: nowhere")
+
+    def loop_threads() -> int:
+        return sum(t.name == "raydix-engine-loop" for t in threading.enumerate())
+
+    before = loop_threads()
+    with pytest.raises(ValueError, match="no such model"):
+        AsyncEngine(broken)
+    assert loop_threads() == before  # its loop thread ended
 
 
 @pytest.fixture(scope="module")
