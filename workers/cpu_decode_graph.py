@@ -168,6 +168,15 @@ def _as_warmed_up(batch: ForwardBatch) -> bool:
                for t in (batch.input_ids, batch.positions, batch.out_cache_loc))
 
 
+def _global_state() -> tuple[object, ...]:
+    """What of torch's global state dynamo guards every graph on and a caller may change after
+    the warm-up: a graph compiled for other values must not be run without its guards (with
+    them skipped, dynamo raises where it would compile). The thread count is one: a process
+    that calls `torch.set_num_threads` after the warm-up."""
+    return (torch.get_num_threads(), torch.get_default_dtype(), torch.is_grad_enabled(),
+            torch.are_deterministic_algorithms_enabled())
+
+
 class CpuDecodeGraph:
     """Runs decode steps through the compiled layers: one graph serves every decoder layer
     (torch.compile inlines the module, so its weights are inputs and the layers share the
@@ -191,6 +200,7 @@ class CpuDecodeGraph:
             torch._dynamo.maybe_mark_dynamic(buf, 0)
         self._head: Any = torch.compile(_head_step, dynamic=False, fullgraph=True)
         self.skip_guards = False  # set by warm_up (see replay)
+        self._warm_state: tuple[object, ...] = ()  # `_global_state()` in the warm-up
         # decode steps of more than MAX_REQUESTS: one graph, the batch dynamic; None: eager
         self._batch_layer: Any = (torch.compile(_batch_layer_step, dynamic=False, fullgraph=True)
                                   if batched else None)
@@ -221,8 +231,9 @@ class CpuDecodeGraph:
         threads): every graph a step can need exists by then (the tests run each path under
         `error_on_recompile`), and dynamo still checks the guards that tell its graphs apart
         (the first layer's from the others', one request's from a batch's). Other inputs take
-        the guarded path, which compiles what they need."""
-        if self.skip_guards and _as_warmed_up(batch):
+        the guarded path, which compiles what they need, and so do all steps while torch's
+        global state differs from the warm-up's (`_global_state`)."""
+        if self.skip_guards and _as_warmed_up(batch) and _global_state() == self._warm_state:
             with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
                 return self._replay(batch)
         return self._replay(batch)
@@ -299,5 +310,6 @@ class CpuDecodeGraph:
                                          input_ids=torch.from_numpy(zero.copy()),
                                          positions=torch.from_numpy(zero + 1),
                                          out_cache_loc=torch.from_numpy(zero.copy())))
+                self._warm_state = _global_state()  # as the runner's steps see it
         self.skip_guards = True
         return time.perf_counter() - start

@@ -137,3 +137,26 @@ def test_requests_on_a_long_shared_prefix_decode_eagerly_through_the_cascade(
     monkeypatch.setattr(cpu_decode_graph, "CASCADE_KEYS_SAVED", 100)
     decode()
     assert batched == []
+
+
+def test_a_thread_count_changed_after_the_warm_up_takes_the_guarded_path(
+        tiny_models: dict[str, TinyModel]) -> None:
+    """dynamo guards each graph on torch's thread count: a process that sets another after the
+    warm-up gets new graphs compiled for it (skipping the guards there would raise), and their
+    logits agree with the eager step's."""
+    m = tiny_models["llama"]
+    runner, eager = _runner(m, graph=True), _runner(m, graph=False)
+    assert runner.decode_graph is not None and runner.decode_graph.skip_guards
+    prompts = [*m.prompts, m.prompts[0][:4] + m.prompts[1]]
+    gen = torch.Generator().manual_seed(7)
+    tokens = [torch.randint(3, 250, (n,), generator=gen).tolist() for n in (4, 4, 2, 2)]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1 if threads > 1 else 2)
+    try:
+        got = _decode_logits(runner, prompts, tokens)  # a batch of 4, then 2 and 1 request
+    finally:
+        torch.set_num_threads(threads)
+    want = _decode_logits(eager, prompts, tokens)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(torch.from_numpy(g), torch.from_numpy(w),
+                                   **TOLERANCES["bfloat16"])
