@@ -3,10 +3,15 @@
 The actor is threaded (`RayExecutor` starts it with `max_concurrency=MAX_CONCURRENCY`), so that
 health calls still answer while a long call runs:
 
-- rank 0 answers `step` calls from the engine (one at a time, under a lock);
-- every other rank runs `TPWorker.follow()` in a background thread, started by `start`, and takes
+- rank 0 answers `step` calls from the engine (launched one at a time, in launch order);
+- every other rank runs `TPWorker.follow()` in the background, started by `start`, and takes
   each step plan from rank 0's broadcast over the CPU (gloo) group. Ray sees no call per step on
   these ranks.
+
+Ray answers each call on one of its pool threads, but the rank's torch work runs on one thread
+of its own (`workers/torch_thread.py`: torch's OpenMP runtime slows every step once two threads
+have run its kernels): the `TPWorker` is built there, rank 0's launches run there in launch
+order, and a follower's loop runs there. `health` and the other calls answer on Ray's threads.
 
 A step plan that fails validation is refused by rank 0 before its broadcast, so followers only
 run valid plans. Any error in a follower's loop is therefore fatal to the replica: rank 0 would
@@ -30,6 +35,7 @@ import ray
 
 from raydix.workers.config import WorkerConfig
 from raydix.workers.step import GrammarSpec, StepPlan, StepResult
+from raydix.workers.torch_thread import TorchThread
 
 if TYPE_CHECKING:
     from raydix.workers.worker import TPWorker
@@ -58,9 +64,9 @@ class WorkerActor:
     def __init__(self, tp_rank: int) -> None:
         self.tp_rank = tp_rank
         self._worker: TPWorker | None = None
-        self._step_lock = threading.Condition()  # one step at a time, in launch order
+        self._torch = TorchThread(f"raydix-rank{tp_rank}")  # the rank's torch work, in order
+        self._step_lock = threading.Condition()  # steps reach the rank's thread in launch order
         self._next_launch = 0
-        self._follow_thread: threading.Thread | None = None
         self._follow_error: str | None = None
 
     def node_id(self) -> str:
@@ -87,11 +93,9 @@ class WorkerActor:
             config = dataclasses.replace(config, device="cuda")
         from raydix.workers.worker import TPWorker  # the model stack loads in the actor only
 
-        self._worker = TPWorker(config, rendezvous=rendezvous)
+        self._worker = self._torch.call(TPWorker, config, rendezvous=rendezvous)
         if self.tp_rank != 0:
-            self._follow_thread = threading.Thread(target=self._follow, daemon=True,
-                                                   name=f"raydix-follow-rank{self.tp_rank}")
-            self._follow_thread.start()
+            self._torch.submit(self._follow)  # holds the rank's thread until the shutdown plan
         return self._worker.max_num_tokens
 
     def max_host_tokens(self) -> int:
@@ -117,13 +121,14 @@ class WorkerActor:
             if launch is not None:
                 self._step_lock.wait_for(lambda: self._next_launch == launch)
             try:
-                pending = self._started().launch(plan)
+                launched = self._torch.submit(self._started().launch, plan)
             finally:
                 if launch is not None:
                     self._next_launch = launch + 1
                     self._step_lock.notify_all()
-        # queued: the next launch may go on while this call waits for its tokens
-        return pending.result()
+        # the rank's thread runs the launches in the order queued; the next one may go on
+        # there while this call waits for its tokens
+        return launched.result().result()
 
     def prepare_grammar(self, spec: GrammarSpec) -> None:
         """Rank 0: start compiling `spec` in the background; returns at once."""
@@ -131,8 +136,8 @@ class WorkerActor:
 
     def stop_followers(self) -> None:
         """Rank 0: send the shutdown plan that ends every follower's loop."""
-        with self._step_lock:
-            self._started().stop_followers()
+        with self._step_lock:  # after every launch queued so far
+            self._torch.call(self._started().stop_followers)
 
     def health(self) -> str | None:
         """None when this rank is fine; otherwise why not (e.g. its follow loop failed)."""

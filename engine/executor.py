@@ -8,6 +8,8 @@ executor's own type.
 from __future__ import annotations
 
 import concurrent.futures
+import logging
+import threading
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from raydix.workers.step import GrammarSpec, StepPlan, StepResult
@@ -17,6 +19,7 @@ from .config import EngineConfig
 if TYPE_CHECKING:  # the core loads without torch: the rank's module comes with the rank
     from raydix.workers.pending_step import PendingStep
 
+logger = logging.getLogger(__name__)
 
 class RankLocation(NamedTuple):
     """Where one rank of a replica runs."""
@@ -90,12 +93,26 @@ class LocalExecutor:
                 f"LocalExecutor runs tp_size 1 only, got {config.worker.tp_size}; "
                 "use the Ray executor for more ranks"
             )
+        from raydix.workers.torch_thread import TorchThread
         from raydix.workers.worker import TPWorker  # the model stack loads with the rank only
 
-        self.worker = TPWorker(config.rank_config(0))
-        # the rank's own thread for launched steps; torch releases the GIL in its kernels, so
-        # the engine forms the next step while this one computes
-        self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="raydix-rank0")
+        # One thread does the rank's torch work, so that its OpenMP team is the process's only
+        # one (workers/torch_thread.py: a second one slowed the step by about a third). The
+        # overlapped loop's rank has a thread of its own, which builds it and runs every step;
+        # torch releases the GIL in its kernels, so the engine forms the next step meanwhile.
+        # The synchronous loop's rank is the engine's thread, which builds it and must step it
+        # (AsyncEngine's loop thread does both): handing each step to another thread and back
+        # cost 0.11 ms here, 3% of a tiny model's step (README, the overlapped step loop).
+        self._rank = TorchThread("raydix-rank0") if config.scheduler.overlap_schedule else None
+        self._builder = threading.get_ident()
+        self._warned = False
+        try:
+            rank_config = config.rank_config(0)
+            self.worker = (TPWorker(rank_config) if self._rank is None
+                           else self._rank.call(TPWorker, rank_config))
+        except BaseException:
+            self.shutdown()
+            raise
 
     @property
     def max_num_tokens(self) -> int:
@@ -106,12 +123,23 @@ class LocalExecutor:
         return self.worker.max_host_tokens
 
     def step(self, plan: StepPlan) -> StepResult:
+        if self._rank is not None:
+            return self._rank.call(self.worker.step, plan)
+        self._check_thread()
         return self.worker.step(plan)
 
     def launch(self, plan: StepPlan) -> StepHandle:
-        # the rank's thread queues the step (on CUDA without waiting for the device) and is
-        # free for the next one; `result` waits for this step's tokens
-        return _LaunchedStep(self._thread.submit(self.worker.launch, plan))
+        if self._rank is not None:
+            # the rank's thread queues the step (on CUDA without waiting for the device) and is
+            # free for the next one; `result` waits for this step's tokens
+            return _LaunchedStep(self._rank.submit(self.worker.launch, plan))
+        self._check_thread()  # the synchronous loop launches nothing; here the step runs now
+        launched: concurrent.futures.Future[PendingStep] = concurrent.futures.Future()
+        try:
+            launched.set_result(self.worker.launch(plan))
+        except Exception as e:
+            launched.set_exception(e)
+        return _LaunchedStep(launched)
 
     def ranks(self) -> tuple[RankLocation, ...]:
         return (RankLocation(0, None, None),)
@@ -126,7 +154,14 @@ class LocalExecutor:
         self.worker.prepare_grammar(spec)
 
     def shutdown(self) -> None:
-        self._thread.shutdown(wait=True)
+        if self._rank is not None:
+            self._rank.shutdown(wait=True)
+
+    def _check_thread(self) -> None:
+        if threading.get_ident() != self._builder and not self._warned:
+            self._warned = True
+            logger.warning("the rank is stepped on another thread than the one that built it: "
+                           "two OpenMP teams slow its steps (workers/torch_thread.py)")
 
 
 class _LaunchedStep:
