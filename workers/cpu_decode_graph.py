@@ -211,6 +211,11 @@ class CpuDecodeGraph:
         size = batch.batch_size
         if size < 1 or not bool((batch.extend_lens == 1).all()):
             return False
+        if not bool((batch.prefix_lens >= 1).all()):
+            # a one-token prompt's token: one key, where the graphs were compiled for two or
+            # more (dynamo specializes a dimension of size 1: the graph would compile again,
+            # and after the warm-up, with the guards skipped, raise instead)
+            return False
         if size <= MAX_REQUESTS:
             return True
         return self._batch_layer is not None and not self._cascade_pays(batch)

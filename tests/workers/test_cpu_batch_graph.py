@@ -160,3 +160,23 @@ def test_a_thread_count_changed_after_the_warm_up_takes_the_guarded_path(
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(torch.from_numpy(g), torch.from_numpy(w),
                                    **TOLERANCES["bfloat16"])
+
+
+@pytest.mark.parametrize("num_prompts", [1, 2, 4])
+def test_one_token_prompts_take_the_eager_step(tiny_models: dict[str, TinyModel],
+                                               num_prompts: int) -> None:
+    """A one-token prompt's step has one key per request, where the graphs were compiled for
+    two or more: it runs eagerly (through the graph it would compile again, or raise once the
+    guards are skipped), alone (one-request graph) or in a batch (batched graph), and its
+    logits and the next steps' agree with the eager runner's."""
+    m = tiny_models["llama"]
+    runner, eager = _runner(m, graph=True), _runner(m, graph=False)
+    assert runner.decode_graph is not None and runner.decode_graph.skip_guards
+    prompts = [[11 + i] for i in range(num_prompts)]
+    tokens = [[40 + i, 90 + i, 7] for i in range(num_prompts)]
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        got = _decode_logits(runner, prompts, tokens)
+    want = _decode_logits(eager, prompts, tokens)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(torch.from_numpy(g), torch.from_numpy(w),
+                                   **TOLERANCES["bfloat16"])
