@@ -7,8 +7,9 @@ region; once the process holds more of them than it has CPUs (an engine loaded a
 one thread and stepped on another: two teams), every team spins only briefly before sleeping,
 and each parallel region waits for its workers to wake. The default model on 2 cores, built on
 the main thread: one stream 44-48 tokens/s stepped there, 30-32 stepped on another thread (1.3
-of the 2 cores busy); built and stepped on one thread, 42-45 (`AsyncEngine`'s own figures:
-24 against 41 on the same machine before it built the engine itself).
+of the 2 cores busy); built and stepped on one thread, 42-45. Through `AsyncEngine`: 24.6-24.8
+tokens/s with the engine built on the main thread, 44.2-45.4 built on its loop thread (README,
+"Serving speed", session 14).
 
 Only the loop thread touches the engine. Callers on the event loop hand it commands (add a
 request, abort one, run a function) through a locked list; the thread applies them between
