@@ -19,13 +19,14 @@ from .attention import (
     paged_decode,
 )
 from .config import ModelConfig, WorkerConfig
-from .cpu_decode_graph import BATCHED_DTYPES, CpuDecodeGraph, wanted
+from .cpu_decode_graph import BATCHED_DTYPES, PACKED_HEAD_DTYPES, CpuDecodeGraph, wanted
 from .device import resolve_device
 from .double_sparse import make_double_sparse
 from .grammar import GrammarCompiler, GrammarTable
 from .host_kv_pool import check_copies, make_host_pool
 from .host_memory import keep_freed_memory
 from .kv_pool import KVPool, KVPoolConfig, MLAKVPool
+from .layers.embedding import ParallelLMHead
 from .layers.fused import fused_ops_for
 from .layers.packed import (
     native_bf16,
@@ -85,9 +86,12 @@ class ModelRunner:
         self.decode_graph: CpuDecodeGraph | None = None
         use_graph = config.cpu_decode_graph and self.device.type == "cpu" and wanted(
             self.model, config.kv_pool, config.tp_size)
-        if self.device.type == "cpu" and config.cpu_packed_linear and not use_graph:
+        if self.device.type == "cpu" and config.cpu_packed_linear:
             if packing_supported(self.device, dtype):
-                pack_linear_layers(self.model, config.max_running_requests)  # the only copy
+                if not use_graph:
+                    pack_linear_layers(self.model, config.max_running_requests)  # the only copy
+                elif dtype in PACKED_HEAD_DTYPES:  # the graph reads the layers' weights plain
+                    pack_linear_layers(self.model, config.max_running_requests, ParallelLMHead)
             else:
                 logger.warning("linear layers run unpacked in %s: oneDNN packing covers float32, "
                                "and bfloat16 where the CPU has native bf16 (avx512_bf16 or amx; "

@@ -1,6 +1,7 @@
 """The CPU decode graph (workers/cpu_decode_graph.py): a lone decode token runs one compiled
 graph; its greedy tokens equal transformers' and its logits the eager forward's; the weights stay
-one plain copy; models and settings it does not cover run eagerly, saying why."""
+one copy (plain, but the LM head's, packed); models and settings it does not cover run eagerly,
+saying why."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 
 from raydix.workers import cpu_decode_graph
 from raydix.workers.config import WorkerConfig
+from raydix.workers.layers.packed import packing_supported
 from raydix.workers.runner import ModelRunner
 from raydix.workers.step import ScheduledRequest, StepPlan
 
@@ -168,13 +170,44 @@ def _probe(runner: ModelRunner, seq: list[int]) -> StepPlan:
     return StepPlan.build(99, [ScheduledRequest(2, 0, seq, list(range(first, first + len(seq))))])
 
 
-def test_decode_graph_keeps_one_plain_weight_per_linear_layer(
-        llama_runners: tuple[ModelRunner, ModelRunner]) -> None:
-    graph_runner, eager = llama_runners
-    linears = [mod for mod in graph_runner.model.modules() if hasattr(mod, "packed_weight")]
+def _plain_layers_packed_head(runner: ModelRunner, head_packed: bool) -> None:
+    head = runner.model.lm_head
+    linears = [mod for mod in runner.model.modules()
+               if hasattr(mod, "packed_weight") and mod is not head]
     assert linears and all(mod.packed_weight is None and mod.weight is not None
                            for mod in linears)
+    if head_packed:  # the packed weight is the head's only copy
+        assert head.weight is None and head.packed_weight is not None
+    else:
+        assert head.packed_weight is None and head.weight is not None
+
+
+def test_decode_graph_keeps_one_weight_per_linear_layer(
+        tiny_models: dict[str, TinyModel], llama_runners: tuple[ModelRunner, ModelRunner]) -> None:
+    graph_runner, eager = llama_runners
+    _plain_layers_packed_head(graph_runner, head_packed=False)  # fp32: every weight plain
     assert graph_runner.weight_bytes == eager.weight_bytes  # eager: packed, the same bytes
+    if not packing_supported(torch.device("cpu"), torch.bfloat16):
+        return  # no native bf16 here: bf16 stays plain everywhere
+    m = tiny_models["llama"]
+    config = WorkerConfig(str(m.folder), dtype="bfloat16", max_running_requests=4,
+                          max_context_len=64, max_total_tokens=256)
+    graph = {"cpu_decode_graph": True}
+    bf16_graph = ModelRunner(WorkerConfig(**{**config.__dict__, **graph}))
+    all_plain = ModelRunner(WorkerConfig(**{**config.__dict__, **graph,
+                                            "cpu_packed_linear": False}))
+    _plain_layers_packed_head(bf16_graph, head_packed=True)
+    _plain_layers_packed_head(all_plain, head_packed=False)
+    assert torch.equal(bf16_graph.model.lm_head.packed_weight.to_dense(),
+                       all_plain.model.lm_head.weight)
+    assert bf16_graph.weight_bytes == all_plain.weight_bytes
+    # the graph's head through `raydix::packed_linear` gives the multiply-and-sum's logits, to
+    # bf16's rounding of them (about 2: steps of 1/64)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        got, graph_logits = _generate(bf16_graph, m.prompts[0], 6)
+        want, plain_logits = _generate(all_plain, m.prompts[0], 6)
+    assert got == want
+    np.testing.assert_allclose(np.stack(graph_logits), np.stack(plain_logits), atol=0.04, rtol=0)
 
 
 def test_qk_norm_and_bias_models_match_too(tiny_models: dict[str, TinyModel]) -> None:

@@ -70,10 +70,26 @@ def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch
     return x.new_empty(x.shape[0], weight.shape[0])
 
 
+@torch.library.custom_op("raydix::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, packed: torch.Tensor,
+                  bias: torch.Tensor | None) -> torch.Tensor:
+    """oneDNN's product on a packed weight, as one opaque operator for compiled graphs (the CPU
+    decode graph's LM head): inductor's own lowering of oneDNN's operator takes only weights
+    it packed itself, as constants, and fails on one that is a graph input."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+@packed_linear.register_fake
+def _(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty(x.shape[0], packed.shape[0])
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor | None, packed: torch.Tensor | None,
            bias: torch.Tensor | None = None) -> torch.Tensor:
     """`x W^T + b`, through the packed weight when there is one."""
     if packed is not None:
+        if torch.compiler.is_compiling():
+            return packed_linear(x.contiguous(), packed, bias)
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
     if weight is None:
         raise RuntimeError("linear layer has neither a weight nor a packed weight")
@@ -97,13 +113,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor | None, packed: torch.Tensor | 
     return F.linear(x, weight, bias)
 
 
-def pack_linear_layers(model: nn.Module, batch_hint: int) -> int:
-    """Replace the weight of every layer with a `packed_weight` slot by its packed form; returns
-    how many were packed. The plain weight is dropped (set to None), one layer at a time, so
+def pack_linear_layers(model: nn.Module, batch_hint: int,
+                       only: type[nn.Module] | None = None) -> int:
+    """Replace the weight of every layer with a `packed_weight` slot (of class `only`, when
+    given) by its packed form; returns how many were packed. The plain weight is dropped (set to None), one layer at a time, so
     memory never holds more than one layer's weight twice. Layers already packed are left as
     they are."""
     num_packed = 0
     for module in model.modules():
+        if only is not None and not isinstance(module, only):
+            continue
         if hasattr(module, "packed_weight") and isinstance(module.weight, torch.Tensor):
             module.packed_weight = pack_weight(module.weight, batch_hint)
             module.register_parameter("weight", None)  # the packed weight is the only copy
