@@ -1,6 +1,5 @@
 """One request's decode step on CPU as one compiled graph (the CPU's counterpart of the CUDA
-graphs of cuda_graph.py). A decode step of two requests runs it once for each (`MAX_REQUESTS`):
-two one-row passes read the weights faster than the eager two-row products on the plain weights.
+graphs of cuda_graph.py); steps of more requests run a batched graph (below).
 
 A lone stream's decode step runs each linear layer on one input row. oneDNN and MKL compute
 that product as a matrix product, at about half of this machine's memory bandwidth, and the ~50
@@ -25,7 +24,7 @@ against 32.3-36.3, sixteen 46.6-49.0 against 50.4-58.1. In fp32 the packed head 
 Qwen2/3, Mistral, Gemma, Phi-3) at tp 1 whose layers are all plain (no sliding window, no logit
 soft cap, the default softmax scale); others run eagerly, as `eligible` says.
 
-Decode steps of three or more requests run a second graph (bf16 and fp32, `BATCHED_DTYPES`): the
+Decode steps of two or more requests run a second graph (bf16 and fp32, `BATCHED_DTYPES`): the
 same layer traced for a batch whose size and key count are dynamic (one compile serves every
 batch), its linear layers the GEMM library's products as the eager step calls them (bf16:
 inductor's own call; fp32: oneDNN's, as `raydix::onednn_linear`, where inductor would call MKL's
@@ -150,11 +149,16 @@ def _head_step(model: LlamaForCausalLM, hidden: torch.Tensor,
 # second model in one process (the tests)
 RECOMPILE_LIMIT = 16
 
-# Decode steps of up to this many requests run the graph once per request. Two requests
-# through the graph one after the other took 114-124 ms a step against 165-173 ms eagerly
-# (SmolLM2-135M, 300-token prompts, 2 threads, AVX2); at three they were even (178-231 against
-# 144-206 ms), and at four eager is faster.
-MAX_REQUESTS = 2
+# Decode steps of up to this many requests run the one-request graph; larger ones the batched
+# graph (where the dtype has one, `BATCHED_DTYPES`), else eagerly. Two requests ran the
+# one-request graph once each until the batched graph took them faster: bf16, SmolLM2-135M, two
+# threads, six pairs of runs, 28.3-32.4 ms a step against 32.0-33.9 (fp32: 39.1-43.1 against
+# 43.5-44.8).
+MAX_REQUESTS = 1
+
+# the batched graph's warm-up batch: 3 requests of 2 keys, sizes apart from all else, so that
+# dynamo keeps the batch size and the key count as two sizes of their own
+WARM_UP_BATCH = 3
 
 # dtypes whose larger decode steps run the batched graph (see the module's docstring)
 BATCHED_DTYPES = (torch.bfloat16, torch.float32)
@@ -191,8 +195,8 @@ class CpuDecodeGraph:
     """Runs decode steps through the compiled layers: one graph serves every decoder layer
     (torch.compile inlines the module, so its weights are inputs and the layers share the
     compiled code; a graph of the whole model compiles 30 copies, about 95 s on 2 cores against
-    about 15), one more the final norm and the LM head. Steps of up to MAX_REQUESTS run the
-    one-request graphs once per request; with `batched`, larger steps run the batched ones."""
+    about 15), one more the final norm and the LM head. A lone request's step runs the
+    one-request graphs; with `batched`, larger steps run the batched ones."""
 
     def __init__(self, model: LlamaForCausalLM, pool: KVPool, req_to_token: torch.Tensor,
                  batched: bool = False) -> None:
@@ -238,8 +242,8 @@ class CpuDecodeGraph:
         return saved > CASCADE_KEYS_SAVED
 
     def replay(self, batch: ForwardBatch) -> torch.Tensor:
-        """Logits [B, vocab] of the step's decode tokens: one request after the other up to
-        MAX_REQUESTS, all at once through the batched graph above.
+        """Logits [B, vocab] of the step's decode tokens: a lone request through the one-request
+        graphs, more all at once through the batched graph.
 
         After the warm-up, steps whose inputs are of the kind it compiled for skip dynamo's
         guard checks (31 calls a step at about 55 us each: one stream 52 -> 57 tok/s, bf16, two
@@ -256,16 +260,8 @@ class CpuDecodeGraph:
     def _replay(self, batch: ForwardBatch) -> torch.Tensor:
         if batch.batch_size > MAX_REQUESTS:
             return self._replay_batch(batch)
-        if batch.batch_size == 1:
-            return self._replay_one(batch.input_ids, batch.positions, batch.out_cache_loc,
-                                    int(batch.row_idx[0]), int(batch.prefix_lens[0]))
-        # each request's inputs as tensors of their own, as a lone request's are: the graph's
-        # guards would take views at an offset for tensors of another kind and compile again
-        return torch.cat([
-            self._replay_one(batch.input_ids[i:i + 1].clone(), batch.positions[i:i + 1].clone(),
-                             batch.out_cache_loc[i:i + 1].clone(), int(batch.row_idx[i]),
-                             int(batch.prefix_lens[i]))
-            for i in range(batch.batch_size)])
+        return self._replay_one(batch.input_ids, batch.positions, batch.out_cache_loc,
+                                int(batch.row_idx[0]), int(batch.prefix_lens[0]))
 
     def _replay_one(self, input_ids: torch.Tensor, positions: torch.Tensor,
                     out_loc: torch.Tensor, row: int, prefix_len: int) -> torch.Tensor:
@@ -316,8 +312,8 @@ class CpuDecodeGraph:
         tensor was made, and a warm-up with other tensors would leave the first real steps to
         compile again. Reads row 0 of the table and writes only the padding page's slot 0."""
         start = time.perf_counter()
-        sizes = (1, MAX_REQUESTS + 1) if self._batch_layer is not None else (1,)
-        for size in sizes:  # the batched graph: 3 requests of 2 keys, sizes apart from all else
+        sizes = (1, WARM_UP_BATCH) if self._batch_layer is not None else (1,)
+        for size in sizes:
             zero = np.zeros(size, dtype=np.int64)
             with torch.inference_mode():  # as runner.forward: its tensors are inference tensors
                 self.replay(ForwardBatch(row_idx=zero, prefix_lens=zero + 1,

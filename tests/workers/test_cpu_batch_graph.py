@@ -1,5 +1,5 @@
 """The CPU decode graph's batched graph (workers/cpu_decode_graph.py, `BATCHED_DTYPES`): decode
-steps of three or more requests run one compiled graph whatever their number and lengths
+steps of two or more requests run one compiled graph whatever their number and lengths
 (nothing compiles after the warm-up), and their logits agree with the eager step's: within
 1e-4 in fp32 (its products are the eager step's oneDNN calls), within bf16's rounding in bf16."""
 

@@ -101,37 +101,34 @@ def _generate_together(runner: ModelRunner, prompts: list[list[int]],
     return tokens
 
 
-def test_two_requests_decode_through_the_graph_one_after_the_other(
+def test_two_requests_decode_through_the_batched_graph(
         tiny_models: dict[str, TinyModel], llama_runners: tuple[ModelRunner, ModelRunner],
         monkeypatch: pytest.MonkeyPatch) -> None:
     m = tiny_models["llama"]
     graph_runner, _ = llama_runners
     assert graph_runner.decode_graph is not None
-    assert cpu_decode_graph.MAX_REQUESTS == 2
-    runs: list[int] = []
+    runs: list[int] = []  # the one-request graphs
     real_run = graph_runner.decode_graph._run
     monkeypatch.setattr(graph_runner.decode_graph, "_run",
                         lambda *args: runs.append(1) or real_run(*args))
+    batches: list[int] = []
+    real_batch = graph_runner.decode_graph._replay_batch
+    monkeypatch.setattr(graph_runner.decode_graph, "_replay_batch",
+                        lambda batch: batches.append(batch.batch_size) or real_batch(batch))
     eager_steps: list[int] = []
     real_forward = graph_runner.model.forward
     monkeypatch.setattr(graph_runner.model, "forward",
                         lambda *args: eager_steps.append(1) or real_forward(*args))
     prompts = m.prompts[:2]
     ref = m.hf.greedy(prompts, MAX_NEW_TOKENS)
-    # a lone request's graphs serve both requests: no compile after the warm-up
+    # the warm-up's batch of three compiled the graph a batch of two runs: no compile here
     with torch._dynamo.config.patch(error_on_recompile=True):
         got = _generate_together(graph_runner, prompts, MAX_NEW_TOKENS)
-    assert len(runs) == 2 * (MAX_NEW_TOKENS - 1)  # one pass of the graph per request and step
+    assert batches == [2] * (MAX_NEW_TOKENS - 1) and not runs  # one batched pass a step
     assert len(eager_steps) == 1  # the prefill only
     assert_greedy_equal(got, ref, prompts, m.hf,
                         lambda seqs: [graph_runner.forward(_probe(graph_runner, s))[0].numpy()
                                       for s in seqs], "llama decode graph, two requests")
-    # three requests take the batched graph (test_cpu_batch_graph.py), not the one-request one
-    eager_steps.clear()
-    runs.clear()
-    three = _generate_together(graph_runner, m.prompts[:3] if len(m.prompts) >= 3
-                               else [*m.prompts[:2], m.prompts[0]], 3)
-    assert len(three) == 3 and not runs and len(eager_steps) == 1  # the prefill
 
 
 def test_a_lone_decode_after_a_paged_batch_does_not_compile_again(
