@@ -1,5 +1,6 @@
 """One request's decode step on CPU as one compiled graph (the CPU's counterpart of the CUDA
-graphs of cuda_graph.py); steps of more requests run a batched graph (below).
+graphs of cuda_graph.py); steps of more requests run a batched graph where the dtype has one
+(below), and eagerly otherwise.
 
 A lone stream's decode step runs each linear layer on one input row. oneDNN and MKL compute
 that product as a matrix product, at about half of this machine's memory bandwidth, and the ~50
@@ -20,9 +21,11 @@ product is about twice as fast as the one on the plain weight, and at one row ab
 the multiply-and-sum. SmolLM2-135M, bf16, two threads, decode steps against the all-plain graph
 in the same minutes (two runs): one request 16.4-16.8 ms against 17.4-17.6, four 30.2-32.4
 against 32.3-36.3, sixteen 46.6-49.0 against 50.4-58.1. In fp32 the packed head lost one stream
-(`engine_bench.py --against`: 0.86-0.95x), and the head stays plain. Models served: the Llama family (Llama,
-Qwen2/3, Mistral, Gemma, Phi-3) at tp 1 whose layers are all plain (no sliding window, no logit
-soft cap, the default softmax scale); others run eagerly, as `eligible` says.
+(`engine_bench.py --against`: 0.86-0.95x), and the head stays plain.
+
+Models served: the Llama family (Llama, Qwen2/3, Mistral, Gemma, Phi-3) at tp 1 whose layers
+are all plain (no sliding window, no logit soft cap, the default softmax scale); others run
+eagerly, as `eligible` says.
 
 Decode steps of two or more requests run a second graph (bf16 and fp32, `BATCHED_DTYPES`): the
 same layer traced for a batch whose size and key count are dynamic (one compile serves every
@@ -152,8 +155,8 @@ RECOMPILE_LIMIT = 16
 # Decode steps of up to this many requests run the one-request graph; larger ones the batched
 # graph (where the dtype has one, `BATCHED_DTYPES`), else eagerly. Two requests ran the
 # one-request graph once each until the batched graph took them faster: bf16, SmolLM2-135M, two
-# threads, six pairs of runs, 28.3-32.4 ms a step against 32.0-33.9 (fp32: 39.1-43.1 against
-# 43.5-44.8).
+# threads, five pairs of runs, 26.9-32.4 ms a step against 32.0-33.9 (fp32, two pairs:
+# 39.1-43.1 against 43.5-44.8).
 MAX_REQUESTS = 1
 
 # the batched graph's warm-up batch: 3 requests of 2 keys, sizes apart from all else, so that
