@@ -16,7 +16,7 @@ token's K/V is written through the `raydix::store_kv` operator, in place.
 The graph reads the decoder layers' weights in their plain `[out, in]` layout, so a runner that
 uses it keeps them plain (one copy) rather than oneDNN-packed. In bf16 the LM head is the
 exception (`PACKED_HEAD_DTYPES`): its weight is packed (the only copy), and both graphs call
-oneDNN's product on it as one opaque operator (`raydix::packed_linear`): at several rows that
+oneDNN's product on it as one opaque operator (`raydix::onednn_linear`): at several rows that
 product is about twice as fast as the one on the plain weight, and at one row about as fast as
 the multiply-and-sum. SmolLM2-135M, bf16, two threads, decode steps against the all-plain graph
 in the same minutes (two runs): one request 16.4-16.8 ms against 17.4-17.6, four 30.2-32.4

@@ -6,8 +6,8 @@ the process has more OpenMP threads than CPUs, libgomp throttles every team (abo
 before a worker sleeps), so each parallel region pays a futex wake-up. A rank built (model load,
 warm-up) on one thread and stepped on another has two teams, and on 2 cores its step ran about
 35% slower: SmolLM2-135M, 1 stream 29.7-31.6 tok/s against 43.8-48.2, 16 streams 141-144
-against 192-200, the team on 1.3-1.5 cores instead of 2 (README, "Serving speed", session 14). Built and
-stepped on one thread, any one, the rank ran at full speed.
+against 192-200, the team on 1.3-1.5 cores instead of 2 (README, "Serving speed", session 14).
+Built and stepped on one thread, any one, the rank ran at full speed.
 
 `TorchThread` runs the calls given to it one at a time, in the order given. It is a daemon: a
 follower's loop blocked in a collective must not hold its process open at exit. It ends when

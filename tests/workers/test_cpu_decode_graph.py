@@ -198,7 +198,7 @@ def test_decode_graph_keeps_one_weight_per_linear_layer(
     assert torch.equal(bf16_graph.model.lm_head.packed_weight.to_dense(),
                        all_plain.model.lm_head.weight)
     assert bf16_graph.weight_bytes == all_plain.weight_bytes
-    # the graph's head through `raydix::packed_linear` gives the multiply-and-sum's logits, to
+    # the graph's head through `raydix::onednn_linear` gives the multiply-and-sum's logits, to
     # bf16's rounding of them (about 2: steps of 1/64)
     with torch._dynamo.config.patch(error_on_recompile=True):
         got, graph_logits = _generate(bf16_graph, m.prompts[0], 6)

@@ -59,9 +59,10 @@ def pack_weight(weight: torch.Tensor, batch_hint: int) -> torch.Tensor:
 @torch.library.custom_op("raydix::onednn_linear", mutates_args=())
 def onednn_linear(x: torch.Tensor, weight: torch.Tensor,
                   bias: torch.Tensor | None) -> torch.Tensor:
-    """oneDNN's product on the plain fp32 weight, as one opaque operator for compiled graphs:
-    inductor would call MKL's sgemm for `F.linear` (1.4-2.7x slower on AMD CPUs at 4-64 rows),
-    and lowers oneDNN's own operator only for weights it packed itself."""
+    """oneDNN's product as one opaque operator for compiled graphs, on a plain fp32 weight
+    (inductor would call MKL's sgemm for `F.linear`, 1.4-2.7x slower on AMD CPUs at 4-64 rows)
+    or on a packed one (the CPU decode graph's bf16 LM head): inductor lowers oneDNN's own
+    operator only for weights it packed itself, as constants, and fails on a graph input."""
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
@@ -70,26 +71,12 @@ def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch
     return x.new_empty(x.shape[0], weight.shape[0])
 
 
-@torch.library.custom_op("raydix::packed_linear", mutates_args=())
-def packed_linear(x: torch.Tensor, packed: torch.Tensor,
-                  bias: torch.Tensor | None) -> torch.Tensor:
-    """oneDNN's product on a packed weight, as one opaque operator for compiled graphs (the CPU
-    decode graph's LM head): inductor's own lowering of oneDNN's operator takes only weights
-    it packed itself, as constants, and fails on one that is a graph input."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-
-
-@packed_linear.register_fake
-def _(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return x.new_empty(x.shape[0], packed.shape[0])
-
-
 def linear(x: torch.Tensor, weight: torch.Tensor | None, packed: torch.Tensor | None,
            bias: torch.Tensor | None = None) -> torch.Tensor:
     """`x W^T + b`, through the packed weight when there is one."""
     if packed is not None:
         if torch.compiler.is_compiling():
-            return packed_linear(x.contiguous(), packed, bias)
+            return onednn_linear(x.contiguous(), packed, bias)
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
     if weight is None:
         raise RuntimeError("linear layer has neither a weight nor a packed weight")
