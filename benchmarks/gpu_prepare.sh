@@ -12,7 +12,8 @@
 #      one xz archive of about 30 MB that gpu_check.sh unpacks onto PYTHONPATH; and the default
 #      model's tokenizer, which gpu_check.sh puts beside a random model of the default model's
 #      shape where that model's package is not installed. Carry `.gpu-ray` too.
-# GPU_PYTHON_VERSION picks the GPU machine's Python (default 3.12). Carry `.gpu` (and
+# GPU_PYTHON_VERSION picks the GPU machine's Python (default 3.12), GPU_GRPCIO_VERSION its grpcio
+# (default 1.84.0). Carry `.gpu` (and
 # `.gpu-against`, `.gpu-ray`) in the device call.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -34,11 +35,13 @@ if [ -n "${GPU_RAY:-}" ]; then
   pins=$("$PY" -c 'import importlib.metadata as m
 names = """ray jsonschema jsonschema-specifications referencing rpds-py opentelemetry-proto
 opentelemetry-api opentelemetry-sdk opentelemetry-exporter-prometheus
-opentelemetry-semantic-conventions mmh3 aiohttp-cors fastapi grpcio-reflection opencensus
+opentelemetry-semantic-conventions mmh3 aiohttp-cors fastapi opencensus
 opencensus-context google-api-core googleapis-common-protos proto-plus google-auth pyasn1
 pyasn1-modules smart-open starlette watchfiles uvicorn httptools websockets python-dotenv
 colorful platformdirs sniffio""".split()
 print(" ".join(f"{n}=={m.version(n)}" for n in names))')
+  # grpcio-reflection's generated code refuses a grpcio older than itself: the image's grpcio
+  pins="$pins grpcio-reflection==${GPU_GRPCIO_VERSION:-1.84.0}"
   # shellcheck disable=SC2086
   "$PY" -m pip download -q --no-deps --only-binary=:all: --dest "$wheels" \
     --python-version "${GPU_PYTHON_VERSION:-3.12}" --implementation cp \

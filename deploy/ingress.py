@@ -21,6 +21,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from raydix.engine.request import GenerationParams
+from raydix.router.priority import take_normal_priority
 from raydix.workers.step import GrammarSpec
 
 if TYPE_CHECKING:
@@ -108,6 +109,7 @@ class OpenAIIngress:
         handed over pickled: unpickling needs only transformers' tokenizer classes, where
         loading with AutoTokenizer here would import torch (about 4 s of CPU and 300 MB in a
         replica that computes nothing). Without it the folder's tokenizer is loaded here."""
+        take_normal_priority("the ingress")  # every request and token passes here (priority.py)
         self.engine = local_handle(engine)
         self.stats_board = local_handle(stats_board)
         if tokenizer is None:

@@ -135,3 +135,24 @@ def test_the_thread_setting_reaches_the_replica(server: str) -> None:
     assert out.usage is not None and out.usage.completion_tokens == 4
 
 
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_the_ingress_runs_at_the_normal_priority(server: str) -> None:
+    """Every request and token passes through the ingress: left at Ray's nice 15 beside a busy
+    engine replica (nice 0), its event loop stood still for 100-300 ms at a time (priority.py)."""
+    import ray
+
+    from raydix.deploy.app import INGRESS_DEPLOYMENT
+
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+             if f"{APP}#{INGRESS_DEPLOYMENT}#" in a["name"]]
+    assert len(names) == 1, names
+
+    def nice(_: object = None) -> int:
+        return os.getpriority(os.PRIO_PROCESS, 0)
+
+    ingress = ray.get_actor(names[0], namespace="serve")
+    assert ray.get(ingress.__ray_call__.remote(nice), timeout=30) == 0
+    assert ray.get(ray.remote(num_cpus=0)(nice).remote(), timeout=30) > 0  # a plain worker
