@@ -19,7 +19,10 @@ that only one path met moves it less). On a GPU,
 which holds one engine's KV pool, the in-process rounds run first and free the GPU. Beside the wall-clock
 figures it reports what the load cost in CPU time per output token, per process of the server
 (the engine replica, the ingress, Serve's proxy, ...) and for the in-process engine: a figure
-that moves far less with the other work than the wall clock does.
+that moves far less with the other work than the wall clock does. And where the server's
+time to the first token goes: its own split (`/metrics`), the engine replica's part (from the
+replica receiving a request to its first output) against the rest (the ingress, the routing
+decision, the calls between the processes).
 
     python benchmarks/serve_bench.py [--model default|tiny|PATH] [--streams 1 16 64]
         [--prompt-len 128] [--output-len 128] [--threads 1 2] [--variant "--cpu-threads 2" ...]
@@ -124,6 +127,16 @@ async def _stream(client: httpx.AsyncClient, url: str, prompt: list[int],
     return times
 
 
+def ttft_parts(url: str) -> dict[str, float]:
+    """The server's split of the time to the first token, summed over its requests so far: the
+    engine replica's part and the rest (`raydix_{engine,path}_time_to_first_token_seconds`)."""
+    lines = httpx.get(url + "/metrics", timeout=30).text.splitlines()
+    return {f"{part}_{suffix}": sum(float(line.split()[-1]) for line in lines
+                                    if line.split()[:1] == [
+                                        f"raydix_{part}_time_to_first_token_seconds_{suffix}"])
+            for part in ("engine", "path") for suffix in ("sum", "count")}
+
+
 def through_serve(server: subprocess.Popen[bytes], url: str, streams: list[int],
                   prompt_len: int, output_len: int, vocab: int,
                   seeds: SeedSource) -> dict[int, Stats]:
@@ -141,9 +154,11 @@ def through_serve(server: subprocess.Popen[bytes], url: str, streams: list[int],
     asyncio.run(burst(2, seeds(), 8))  # warm-up
     out = {}
     for n in streams:
+        parts = ttft_parts(url)
         before, client = process_tree_cpu(server.pid), time.process_time()
         stats = asyncio.run(burst(n, seeds(), output_len))
         cpu = cpu_per_token(before, process_tree_cpu(server.pid), n * output_len)
+        parts = {k: v - parts[k] for k, v in ttft_parts(url).items()}
         cpu["client (this script)"] = (time.process_time() - client) * 1e3 / (n * output_len)
         out[n] = stats = stats._replace(cpu_ms_per_token=cpu)
         print(f"  serve, {n:3d} streams: {stats.throughput:8.1f} tok/s, "
@@ -151,6 +166,10 @@ def through_serve(server: subprocess.Popen[bytes], url: str, streams: list[int],
               f"longest gap {stats.max_gap_s * 1e3:7.1f} ms", flush=True)
         print("    CPU ms/token: " + ", ".join(f"{role} {ms:.2f}" for role, ms in cpu.items()
                                                 if ms >= 0.01), flush=True)
+        if parts["engine_count"]:
+            print(f"    TTFT, the server's split (means): in the engine replica "
+                  f"{parts['engine_sum'] / parts['engine_count'] * 1e3:.1f} ms, outside it "
+                  f"{parts['path_sum'] / parts['path_count'] * 1e3:.1f} ms", flush=True)
     return out
 
 

@@ -38,6 +38,15 @@ class IngressMetrics:
         self.generation_tokens = Counter("raydix_generation_tokens", "output tokens", registry=r)
         self.ttft = Histogram("raydix_time_to_first_token_seconds", "time to the first output "
                               "token", buckets=_LATENCY_BUCKETS, registry=r)
+        # the time to the first token split where the engine replica's part is known: from its
+        # receipt of the request to the first output, and the rest (the ingress, the routing
+        # decision, the calls between processes both ways)
+        self.engine_ttft = Histogram("raydix_engine_time_to_first_token_seconds",
+                                     "time to the first output token inside the engine replica",
+                                     buckets=_LATENCY_BUCKETS, registry=r)
+        self.path_ttft = Histogram("raydix_path_time_to_first_token_seconds",
+                                   "time to the first output token outside the engine replica",
+                                   buckets=_LATENCY_BUCKETS, registry=r)
         self.tpot = Histogram("raydix_time_per_output_token_seconds", "mean time between output "
                               "tokens of a request", buckets=_LATENCY_BUCKETS, registry=r)
         self.latency = Histogram("raydix_request_latency_seconds", "request start to last token",
@@ -84,6 +93,9 @@ class RequestTracker:
                 if out.new_token_ids and first is None:
                     first = time.perf_counter()
                     m.ttft.observe(first - self.start)
+                    if out.engine_ttft_s is not None:
+                        m.engine_ttft.observe(out.engine_ttft_s)
+                        m.path_ttft.observe(max(first - self.start - out.engine_ttft_s, 0.0))
                 num_tokens += len(out.new_token_ids)
                 m.generation_tokens.inc(len(out.new_token_ids))
                 if out.finished and i not in seen_prompt:

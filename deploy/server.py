@@ -47,7 +47,7 @@ from raydix.engine.config import EngineConfig
 from raydix.engine.detokenizer import TokenDecoder
 from raydix.engine.engine import Engine
 from raydix.engine.executor import Executor, LocalExecutor, UnhealthyRanksError
-from raydix.engine.request import GenerationParams, RequestOutput
+from raydix.engine.request import GenerationParams, RequestOutput, with_engine_ttft
 from raydix.router.actor import get_or_create_router
 from raydix.router.policy import RoutingPolicyConfig
 from raydix.router.reporter import LoadReport, ReplicaReporter
@@ -235,9 +235,14 @@ class EngineServer:
 
     async def generate(self, prompt_ids: Sequence[int], params: GenerationParams,
                        rid: str) -> AsyncIterator[list[RequestOutput]]:
+        received = time.perf_counter()
         if self._received is not None:  # counted in the engine's waiting requests from here
             self._received.append(rid)
+        first = True
         async for outputs in self.engine.generate(prompt_ids, params, rid):
+            if first and any(out.new_token_ids for out in outputs):
+                first = False
+                outputs = with_engine_ttft(outputs, time.perf_counter() - received)
             yield outputs
 
     async def abort(self, rid: str) -> None:

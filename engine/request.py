@@ -92,10 +92,22 @@ class RequestOutput(NamedTuple):
     # (`decode([token_id])`, the output processor's), so the frontend decodes nothing again
     token_texts: tuple[str, ...] = ()
     top_token_texts: tuple[tuple[str, ...], ...] = ()
+    # on a request's first output with tokens, as an engine replica sends it: seconds from the
+    # replica receiving the request to that output (queueing, prefill, the hop from the engine's
+    # loop thread); the ingress's time to the first token less this is the serving path's
+    engine_ttft_s: float | None = None
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+def with_engine_ttft(outputs: list[RequestOutput], seconds: float) -> list[RequestOutput]:
+    """`outputs` with `seconds` as `engine_ttft_s` of the first one that carries tokens."""
+    for i, out in enumerate(outputs):
+        if out.new_token_ids:
+            return [*outputs[:i], out._replace(engine_ttft_s=seconds), *outputs[i + 1:]]
+    return outputs
 
 
 @dataclass(eq=False)

@@ -142,6 +142,14 @@ def test_metrics_in_prometheus_text(server: str) -> None:
     count = next(line for line in lines
                  if line.startswith("raydix_time_to_first_token_seconds_count"))
     assert float(count.split()[-1]) >= 1
+    # the time to the first token, split at the engine replica: the replica's own part of each
+    # request and the rest add up to the whole, request by request
+    ttft, engine, path = (
+        {suffix: metric_total(lines, f"raydix_{part}time_to_first_token_seconds_{suffix}")
+         for suffix in ("count", "sum")} for part in ("", "engine_", "path_"))
+    assert engine["count"] == path["count"] == ttft["count"] >= 1
+    assert 0 < engine["sum"] < ttft["sum"]
+    assert engine["sum"] + path["sum"] == pytest.approx(ttft["sum"], rel=1e-6, abs=1e-6)
     for name in ("raydix_num_running_requests", "raydix_num_waiting_requests",
                  "raydix_kv_usage_ratio", "raydix_cache_hit_rate",
                  "raydix_time_per_output_token_seconds_count", "raydix_generation_tokens_total"):
@@ -150,6 +158,12 @@ def test_metrics_in_prometheus_text(server: str) -> None:
     assert len(replica_lines) == 1 and 'replica="' in replica_lines[0]
     assert "raydix_engine_replicas 1.0" in lines
     assert metric(lines, "raydix_kv_capacity_tokens") == 8192.0  # max_total_tokens
+
+
+def metric_total(lines: list[str], name: str) -> float:
+    """The value of the unlabelled series `name`."""
+    (value,) = [float(line.split()[-1]) for line in lines if line.split()[0] == name]
+    return value
 
 
 def metric(lines: list[str], name: str) -> float:
