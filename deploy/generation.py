@@ -9,8 +9,10 @@ The engine requests go through the handle by value (`serve_env.py`): Serve strea
 its gRPC channel between replicas instead of as one Ray object per chunk.
 
 Faults: a request whose replica was lost (its actor died, or its engine stopped) before it
-produced anything is sent again, up to `MAX_ATTEMPTS` times in all, and the router picks a
-replica again. Once outputs have been sent on, a lost replica ends the request with a 503
+produced anything is sent again, for up to `RETRY_WINDOW_S` after its first send, and the
+router picks a replica again. The window outlasts a failed replica's grace before it ends
+(`server.EXIT_GRACE_S`), during which routers still send it requests that it refuses at once,
+and Serve's notice of its end. Once outputs have been sent on, a lost replica ends the request with a 503
 `engine_unavailable` error, never a hang and never a bare internal error.
 """
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, NamedTuple, cast
@@ -39,8 +42,9 @@ _Stream = DeploymentResponseGenerator[list[RequestOutput]]
 
 logger = logging.getLogger(__name__)
 
-MAX_ATTEMPTS = 3  # sends of one engine request whose replica is lost before it answered
-RETRY_DELAY_S = 0.2  # before the second send; doubled for each later one
+RETRY_WINDOW_S = 10.0  # an engine request whose replica is lost is sent again for this long
+RETRY_DELAY_S = 0.2  # before the second send; doubled for each later one, up to the next
+MAX_RETRY_DELAY_S = 1.0
 
 
 class Choice(NamedTuple):
@@ -115,20 +119,21 @@ class ChoiceStreams:
             raise
 
     async def _first_outputs(self, i: int) -> list[RequestOutput]:
-        attempt = 1
+        deadline = time.monotonic() + RETRY_WINDOW_S
+        delay = RETRY_DELAY_S
         while True:
             try:
                 return await self._gens[i].__anext__()
             except Exception as e:
-                if attempt >= MAX_ATTEMPTS or not _replica_lost(e):
+                if not _replica_lost(e) or time.monotonic() + delay > deadline:
                     raise
                 logger.warning("request %s: its replica was lost before it answered (%s); "
                                "sending it again", self.choices[i].rid, type(e).__name__)
                 with contextlib.suppress(Exception):
                     self._gens[i].cancel()
-                await asyncio.sleep(RETRY_DELAY_S * 2 ** (attempt - 1))
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, MAX_RETRY_DELAY_S)
                 self._gens[i] = self._send(self.choices[i])
-                attempt += 1
 
     async def events(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(choice position, output) in arrival order, until every request finishes."""
