@@ -4,12 +4,14 @@ Single-token requests (decode) are attended in padded batches: on CPU those that
 prefix through cascade groups (cascade.py), the rest in at most two batches split by length
 (`split_by_length`), so that a few long requests do not pad every short one to their length.
 Multi-token requests (extend) run one request at a time, with a causal mask shifted by the
-request's prefix length. Windowed layers (`LayerAttention.window`) mask the keys before their
-window; layers with a logit soft cap compute their scores explicitly. Cascades serve models
-whose layers are all plain. Extend attention runs through the SDPA kernels named in
-`SDPA_BACKENDS`: left to choose, torch picks cuDNN attention on recent GPUs, whose first call for
-each new prompt length builds a plan (41-48 ms on an H100, against 0.05 ms for flash or
-memory-efficient attention). On CPU the list changes nothing (its kernels are flash and math).
+request's prefix length; on CPU in bf16, plain causal layers' extends run as row blocks of
+matrix products instead (block_causal.py). Windowed layers (`LayerAttention.window`) mask the
+keys before their window; layers with a logit soft cap compute their scores explicitly.
+Cascades serve models whose layers are all plain. Extend attention runs through the SDPA
+kernels named in `SDPA_BACKENDS`: left to choose, torch picks cuDNN attention on recent GPUs,
+whose first call for each new prompt length builds a plan (41-48 ms on an H100, against 0.05 ms
+for flash or memory-efficient attention). On CPU the list changes nothing (its kernels are
+flash and math).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..kv_pool import KVPool
 from .base import AttentionBackend, ForwardBatch, LayerAttention
+from .block_causal import block_causal_attention, blocks_faster
 from .cascade import CascadeBatch, cascade_attention, find_groups
 from .paged_decode import Kernel
 
@@ -71,6 +74,8 @@ class TorchAttentionBackend(AttentionBackend):
         # decode attention of plain layers on the pages in place (paged_decode.py); None: the
         # keys and values are copied into dense tensors
         self.paged_kernel: Kernel | None = None
+        # bf16 extends on CPU through block_causal.py, not torch's flash kernel (tests compare)
+        self.block_causal = True
 
     def prepare(self, batch: ForwardBatch) -> None:
         self._out_cache_loc = batch.out_cache_loc
@@ -148,6 +153,10 @@ class TorchAttentionBackend(AttentionBackend):
                 shape = (self.num_kv_heads, -1, self.head_dim)
                 ke = _gather(k_buf, e.rows).view(shape).to(q.dtype)  # [Hk, L, D]
                 ve = _gather(v_buf, e.rows).view(shape).to(q.dtype)
+                if self._blocks_faster(q, attn, ke.shape[1]):
+                    out[e.token_start: e.token_start + e.extend_len] = block_causal_attention(
+                        qe, ke, ve, ke.shape[1] - e.extend_len, attn.softmax_scale(self.head_dim))
+                    continue
                 # CPU's flash kernel takes GQA as it is (enable_gqa: 0.6-0.9x the time of
                 # expanding K and V first, 512-token prompts and 64-token extends); elsewhere,
                 # and for the soft-capped scores, K and V are expanded here
@@ -165,6 +174,12 @@ class TorchAttentionBackend(AttentionBackend):
                         scale=attn.softmax_scale(self.head_dim), enable_gqa=native_gqa)
                 out[e.token_start: e.token_start + e.extend_len] = res[0].transpose(0, 1)
         return out.view(q.shape[0], -1)
+
+    def _blocks_faster(self, q: torch.Tensor, attn: LayerAttention, num_keys: int) -> bool:
+        """This extend's attention runs as row blocks of bf16 products (block_causal.py):
+        on CPU, in bf16, for plain causal layers (no window, no soft cap), past a few keys."""
+        return (self.block_causal and q.dtype == torch.bfloat16 and self.device.type == "cpu"
+                and not attn.window and not attn.logit_softcap and blocks_faster(num_keys))
 
     def _decode_attention(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
                           d: _DecodeGroup, padding: torch.Tensor,
