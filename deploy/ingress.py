@@ -168,15 +168,17 @@ class OpenAIIngress:
 
     @app.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
+        start = time.perf_counter()  # the request's clock (time to first token, latency)
         with self.metrics.count_errors("completions"):
-            return await self._completions(request)
+            return await self._completions(request, start)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
+        start = time.perf_counter()
         with self.metrics.count_errors("chat_completions"):
-            return await self._chat_completions(request)
+            return await self._chat_completions(request, start)
 
-    async def _completions(self, request: Request) -> Response:
+    async def _completions(self, request: Request, start: float) -> Response:
         self._check_auth(request)
         body = await self._parse(request, CompletionRequest)
         self._check_model(body.model)
@@ -185,9 +187,9 @@ class OpenAIIngress:
         params = self._params(body, prompts, max_tokens, ("prompt", "max_tokens"),
                               body.logprobs is not None, body.logprobs or 0,
                               await self._grammar(body))
-        return await self._generate("cmpl", body, prompts, params, chat=False)
+        return await self._generate("cmpl", body, prompts, params, start, chat=False)
 
-    async def _chat_completions(self, request: Request) -> Response:
+    async def _chat_completions(self, request: Request, start: float) -> Response:
         self._check_auth(request)
         body = await self._parse(request, ChatCompletionRequest)
         self._check_model(body.model)
@@ -207,19 +209,19 @@ class OpenAIIngress:
             grammar = await checked_grammar(tools.grammar, "tools")
         params = self._params(body, [prompt], max_tokens, ("messages", limit_field),
                               body.logprobs, body.top_logprobs or 0, grammar)
-        return await self._generate("chatcmpl", body, [prompt], params, chat=True,
+        return await self._generate("chatcmpl", body, [prompt], params, start, chat=True,
                                     tool_parser=tools.parser if tools is not None else None)
 
     # ------------------------------------------------------------------------- pipeline
     async def _generate(self, kind: str, body: CompletionRequest | ChatCompletionRequest,
-                        prompts: list[list[int]], params: GenerationParams,
+                        prompts: list[list[int]], params: GenerationParams, start: float,
                         chat: bool, tool_parser: ToolParser | None = None) -> Response:
         request_id = f"{kind}-{uuid.uuid4().hex}"
         choices = make_choices(request_id, prompts, params, body.n)
         head = ResponseHead(id=request_id, model=self.model_name, n=body.n,
                             want_logprobs=params.sampling.return_logprob,
                             tool_parser=tool_parser)
-        track = self.metrics.track(chat)
+        track = self.metrics.track(chat, start)
         streams = ChoiceStreams(self.engine, choices)
         await streams.start()
         events = track.watch(streams.events())

@@ -64,17 +64,22 @@ class IngressMetrics:
             self.requests.labels(endpoint, "500").inc()
             raise
 
-    def track(self, chat: bool) -> RequestTracker:
-        return RequestTracker(self, "chat_completions" if chat else "completions")
+    def track(self, chat: bool, start: float | None = None) -> RequestTracker:
+        """A tracker of one request whose clock started at `start` (`time.perf_counter()`;
+        None: now). The ingress starts it as its handler is entered, so the time to the first
+        token includes parsing, the chat template and a grammar's compilation, as the client
+        waits for them."""
+        return RequestTracker(self, "chat_completions" if chat else "completions", start)
 
 
 class RequestTracker:
     """Times one API request from its start to its last output."""
 
-    def __init__(self, metrics: IngressMetrics, endpoint: str) -> None:
+    def __init__(self, metrics: IngressMetrics, endpoint: str,
+                 start: float | None = None) -> None:
         self.metrics = metrics
         self.endpoint = endpoint
-        self.start = time.perf_counter()
+        self.start = time.perf_counter() if start is None else start
         self._recorded = False
 
     def done(self, status: int | str) -> None:

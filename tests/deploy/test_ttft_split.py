@@ -72,3 +72,24 @@ def test_an_output_without_the_stamp_leaves_the_split_empty() -> None:
     asyncio.run(run())
     assert _sample(metrics, "raydix_time_to_first_token_seconds_count") == 1
     assert _sample(metrics, "raydix_engine_time_to_first_token_seconds_count") == 0
+
+
+def test_the_clock_starts_where_the_handler_started_it() -> None:
+    """The ingress starts a request's clock as its handler is entered: what came before the
+    engine requests (parsing, the chat template, a grammar) counts in the time to the first
+    token and in the path's part."""
+    metrics = IngressMetrics()
+    entered = time.perf_counter() - 0.3  # a handler that spent 0.3 s before its first send
+    tracker = metrics.track(chat=True, start=entered)
+
+    async def events() -> AsyncIterator[tuple[int, RequestOutput]]:
+        yield 0, _out((1,), FinishReason.LENGTH)._replace(engine_ttft_s=0.01)
+
+    async def run() -> None:
+        async for _ in tracker.watch(events()):
+            pass
+
+    asyncio.run(run())
+    assert _sample(metrics, "raydix_time_to_first_token_seconds_sum") >= 0.3
+    assert _sample(metrics, "raydix_path_time_to_first_token_seconds_sum") >= 0.29
+    assert _sample(metrics, "raydix_request_latency_seconds_sum") >= 0.3
