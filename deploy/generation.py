@@ -12,8 +12,8 @@ Faults: a request whose replica was lost (its actor died, or its engine stopped)
 produced anything is sent again, for up to `RETRY_WINDOW_S` after its first send, and the
 router picks a replica again. The window outlasts a failed replica's grace before it ends
 (`server.EXIT_GRACE_S`), during which routers still send it requests that it refuses at once,
-and Serve's notice of its end. Once outputs have been sent on, a lost replica ends the request with a 503
-`engine_unavailable` error, never a hang and never a bare internal error.
+and Serve's notice of its end. Once outputs have been sent on, a lost replica ends the
+request with a 503 `engine_unavailable` error, never a hang and never a bare internal error.
 """
 
 from __future__ import annotations
