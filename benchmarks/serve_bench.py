@@ -128,7 +128,9 @@ async def _stream(client: httpx.AsyncClient, url: str, prompt: list[int],
 
 
 # A burst started right after a /metrics scrape ran slower (tiny model, 64 streams: 0.31-0.35 of
-# in-process against 0.39-0.41 without the scrape, and 0.39-0.40 with this pause between them)
+# in-process against 0.39-0.41 without the scrape, and 0.39-0.40 with this pause between them).
+# The engine replica's stats report, which the scrape sets off, is what slows it: with the
+# replica's reporter off, bursts after a scrape ran as fast as the others (cause inside not found)
 SCRAPE_SETTLE_S = 2.0
 
 
