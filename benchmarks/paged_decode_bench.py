@@ -1,13 +1,13 @@
-"""CPU decode attention of one layer: the compiled paged kernel (workers/attention/paged_decode.py)
-against the dense copies (`torch_backend`'s other path) and against the same kernel compiled with
-every size dynamic (its form before static head sizes), per batch size and length, with the path
-`pages_faster` picks. SmolLM2-135M's heads (3 KV heads of 64, 3 query heads each), a
-40,000-slot pool, each request's slots one run at a random start (as a prefill allocates them;
-`--random-slots`: scattered), glibc keeping freed blocks as the engine does; best of three
-wall-clock means of 20 calls.
+"""CPU decode attention of one layer: the paged kernel (workers/attention/paged_decode.c)
+against the dense copies (`torch_backend`'s other path) and against the same attention's torch
+ops compiled by inductor for static head sizes (the kernel's form before the C kernel), per
+batch size and length, with the path `pages_faster` picks. SmolLM2-135M's heads (3 KV heads of
+64, 3 query heads each), a 40,000-slot pool, each request's slots one run at a random start (as
+a prefill allocates them; `--random-slots`: scattered), glibc keeping freed blocks as the engine
+does; best of three wall-clock means of 20 calls.
 
-    python benchmarks/paged_decode_bench.py [--threads 2] [--random-slots] [--requests 1 4 16]
-        [--keys 150 600]
+    python benchmarks/paged_decode_bench.py [--threads 2] [--dtype bfloat16] [--random-slots]
+        [--requests 1 4 16] [--keys 150 600]
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def _dense(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, slots: tor
     scores = torch.matmul(q, k.transpose(-1, -2)) * D ** -0.5
     past = (torch.arange(num_keys)[None, :] >= lens[:, None])[:, None, None, :]
     probs = torch.softmax(scores.float().masked_fill_(past, float("-inf")), dim=-1)
-    return torch.matmul(probs, v)
+    return torch.matmul(probs.to(q.dtype), v)
 
 
 def _micros(fn: Callable[..., torch.Tensor], args: tuple[torch.Tensor, ...],
@@ -51,9 +51,18 @@ def _micros(fn: Callable[..., torch.Tensor], args: tuple[torch.Tensor, ...],
     return best * 1e6
 
 
-def _all_dynamic() -> Callable[..., torch.Tensor]:
-    """The kernel as it was compiled before: every size dynamic, head sizes included."""
-    return torch.compile(paged_decode.paged_decode_reference, dynamic=True, fullgraph=True)
+def _compiled() -> Callable[..., torch.Tensor]:
+    """The attention's torch ops compiled for static head sizes and dynamic batch and keys."""
+    compiled = torch.compile(paged_decode.paged_decode_reference, dynamic=False, fullgraph=True)
+
+    def run(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, slots: torch.Tensor,
+            lens: torch.Tensor) -> torch.Tensor:
+        for tensor, dim in ((q, 0), (slots, 0), (slots, 1), (lens, 0)):
+            torch._dynamo.maybe_mark_dynamic(tensor, dim)
+        out: torch.Tensor = compiled(q, k_buf, v_buf, slots, lens)
+        return out
+
+    return run
 
 
 def _slots(num_req: int, num_keys: int, scattered: bool, gen: torch.Generator) -> torch.Tensor:
@@ -66,34 +75,37 @@ def _slots(num_req: int, num_keys: int, scattered: bool, gen: torch.Generator) -
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--random-slots", action="store_true", help="scattered slots")
     parser.add_argument("--requests", type=int, nargs="+", default=[1, 2, 4, 8, 16, 64])
     parser.add_argument("--keys", type=int, nargs="+", default=[64, 150, 300, 600, 1000])
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     keep_freed_memory()
-    kernel = paged_decode.warm_up(HK, D, G, torch.float32)
+    dtype = getattr(torch, args.dtype)
+    kernel = paged_decode.warm_up(HK, D, G, dtype)
     if kernel is None:
-        raise SystemExit("the paged kernel did not compile here")
-    dynamic = _all_dynamic()
+        raise SystemExit("the paged kernel could not be built here")
+    compiled = _compiled()
     gen = torch.Generator().manual_seed(0)
-    k_buf = torch.randn(NUM_SLOTS, HK, D, generator=gen)
-    v_buf = torch.randn(NUM_SLOTS, HK, D, generator=gen)
-    print(f"{args.threads} threads, {'scattered' if args.random_slots else 'one run per request'}")
-    print(f"{'requests':>8} {'keys':>5} {'paged us':>9} {'dense us':>9} {'dynamic us':>10} "
-          f"{'paged/dense':>11} {'paged/dynamic':>13}  picks")
+    k_buf = torch.randn(NUM_SLOTS, HK, D, generator=gen).to(dtype)
+    v_buf = torch.randn(NUM_SLOTS, HK, D, generator=gen).to(dtype)
+    print(f"{args.threads} threads, {args.dtype}, "
+          f"{'scattered' if args.random_slots else 'one run per request'}")
+    print(f"{'requests':>8} {'keys':>5} {'paged us':>9} {'dense us':>9} {'inductor us':>11} "
+          f"{'paged/dense':>11} {'paged/inductor':>14}  picks")
     with torch.inference_mode():
         for num_req in args.requests:
             for num_keys in args.keys:
-                q = torch.randn(num_req, HK, G, D, generator=gen)
+                q = torch.randn(num_req, HK, G, D, generator=gen).to(dtype)
                 slots = _slots(num_req, num_keys, args.random_slots, gen)
                 lens = torch.full((num_req,), num_keys)
                 inputs = (q, k_buf, v_buf, slots, lens)
                 paged, dense = _micros(kernel, inputs), _micros(_dense, inputs)
-                old = _micros(dynamic, inputs)
+                old = _micros(compiled, inputs)
                 pick = "paged" if pages_faster(num_req, num_keys) else "dense"
-                print(f"{num_req:>8} {num_keys:>5} {paged:>9.0f} {dense:>9.0f} {old:>10.0f} "
-                      f"{paged / dense:>10.2f}x {paged / old:>12.2f}x  {pick}", flush=True)
+                print(f"{num_req:>8} {num_keys:>5} {paged:>9.0f} {dense:>9.0f} {old:>11.0f} "
+                      f"{paged / dense:>10.2f}x {paged / old:>13.2f}x  {pick}", flush=True)
 
 
 if __name__ == "__main__":

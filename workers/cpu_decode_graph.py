@@ -10,8 +10,9 @@ every decoder layer, the final norm and the LM head) is traced once by torch's o
 (`layers/packed.py`: `linear` while compiling), which inductor turns into one parallel,
 vectorised loop over the weight rows that reads each weight once; the norms, rotary embedding,
 activation and residual adds fuse into a few loops; attention reads the request's K/V from the
-pool's pages (`paged_decode_reference`, the same source as the batched kernel), and the new
-token's K/V is written through the `raydix::store_kv` operator, in place.
+pool's pages through the `raydix::paged_decode` operator (attention/paged_decode.py; where that
+kernel could not be built, its plain-ops source, traced and fused), and the new token's K/V is
+written through the `raydix::store_kv` operator, in place.
 
 The graph reads the decoder layers' weights in their plain `[out, in]` layout, so a runner that
 uses it keeps them plain (one copy) rather than oneDNN-packed. In bf16 the LM head is the
@@ -31,8 +32,8 @@ Decode steps of two or more requests run a second graph (bf16 and fp32, `BATCHED
 same layer traced for a batch whose size and key count are dynamic (one compile serves every
 batch), its linear layers the GEMM library's products as the eager step calls them (bf16:
 inductor's own call; fp32: oneDNN's, as `raydix::onednn_linear`, where inductor would call MKL's
-sgemm, slower on AMD CPUs) and everything between them fused, attention the paged kernel's source
-on each request's pages. A mixed workload's decode steps (SmolLM2-135M, two threads, mean of 112
+sgemm, slower on AMD CPUs) and everything between them fused, attention the paged kernel on each
+request's pages. A mixed workload's decode steps (SmolLM2-135M, two threads, mean of 112
 steps of 1-16 requests) took 42-45 ms against 62 eagerly in bf16, 65-67 against 76-78 in fp32.
 
 The graphs are compiled at start (`warm_up`); inductor keeps the compiled code in its on-disk
@@ -50,7 +51,7 @@ import torch
 
 from .attention.base import ForwardBatch
 from .attention.cascade import find_groups
-from .attention.paged_decode import paged_decode_reference
+from .attention.paged_decode import attend
 from .kv_pool import KVPool
 from .layers.custom_ops import CUSTOM_OPS
 from .layers.rotary import RotaryEmbedding
@@ -100,7 +101,7 @@ class _BatchAttention:
         batch, num_q_heads, head_dim = q.shape
         num_kv_heads = self.k_buf.shape[1]
         qg = q.view(batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
-        out = paged_decode_reference(qg, self.k_buf, self.v_buf, self.slots, self.lens)
+        out = attend(qg, self.k_buf, self.v_buf, self.slots, self.lens)
         return out.reshape(batch, num_q_heads * head_dim)
 
 
@@ -121,7 +122,7 @@ class _OneRequestAttention:
         num_kv_heads = self.k_buf.shape[1]
         qg = q.view(1, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
         lens = torch.full((1,), self.slots.shape[1], dtype=torch.int64)
-        out = paged_decode_reference(qg, self.k_buf, self.v_buf, self.slots, lens)
+        out = attend(qg, self.k_buf, self.v_buf, self.slots, lens)
         return out.reshape(1, num_q_heads * head_dim)
 
 
@@ -209,10 +210,9 @@ class CpuDecodeGraph:
         dynamo_config = torch._dynamo.config
         dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, RECOMPILE_LIMIT)
         self._layer: Any = torch.compile(_layer_step, dynamic=False, fullgraph=True)
-        # The paged decode kernel (attention/paged_decode.py) marks the pool's buffers' slot
-        # dimension dynamic the first time it runs, and dynamo guards on that marking: marked
-        # here too, so the layer graph is compiled as the buffers will be, and the first lone
-        # decode after a batched one does not compile it again (two graphs, seconds each)
+        # The pool's buffers' slot dimension is dynamic, so the graphs serve pools of any size
+        # (a process may hold several runners, as the tests do) and are compiled once for both
+        # the lone and the batched steps' calls (dynamo guards on the marking)
         for buf in (*pool.k_buffers, *pool.v_buffers):
             torch._dynamo.maybe_mark_dynamic(buf, 0)
         self._head: Any = torch.compile(_head_step, dynamic=False, fullgraph=True)

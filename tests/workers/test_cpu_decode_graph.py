@@ -10,6 +10,7 @@ import logging
 import numpy as np
 import pytest
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 from raydix.workers import cpu_decode_graph
 from raydix.workers.config import WorkerConfig
@@ -122,9 +123,14 @@ def test_two_requests_decode_through_the_batched_graph(
     prompts = m.prompts[:2]
     ref = m.hf.greedy(prompts, MAX_NEW_TOKENS)
     # the warm-up's batch of three compiled the graph a batch of two runs: no compile here
-    with torch._dynamo.config.patch(error_on_recompile=True):
+    with torch._dynamo.config.patch(error_on_recompile=True), profile(
+            activities=[ProfilerActivity.CPU]) as prof:
         got = _generate_together(graph_runner, prompts, MAX_NEW_TOKENS)
     assert batches == [2] * (MAX_NEW_TOKENS - 1) and not runs  # one batched pass a step
+    # attention through the paged kernel, once a layer a step, not the traced plain ops
+    kernel_calls = [e for e in prof.events() if e.name == "raydix::paged_decode"]
+    num_layers = graph_runner.kv_pool.config.num_layers
+    assert len(kernel_calls) == (MAX_NEW_TOKENS - 1) * num_layers, len(kernel_calls)
     assert len(eager_steps) == 1  # the prefill only
     assert_greedy_equal(got, ref, prompts, m.hf,
                         lambda seqs: [graph_runner.forward(_probe(graph_runner, s))[0].numpy()

@@ -37,6 +37,9 @@ class DoubleSparseBackend(TorchAttentionBackend):
     def _prepare_cascades(self, batch: object, single: np.ndarray) -> np.ndarray:
         return single  # every decode goes through `_decode_attention`
 
+    def _decodes_on_pages(self) -> bool:
+        return False  # the sparse selection reads the decode groups' pool rows
+
     def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor,
                 v: torch.Tensor) -> torch.Tensor:
         if self.calibration is not None:
@@ -55,6 +58,7 @@ class DoubleSparseBackend(TorchAttentionBackend):
         hk = self.num_kv_heads
         group, budget = num_q_heads // hk, min(self.heavy_token_num, d.max_len)
         channels = self.ds_pool.heavy_channels[self._layer_id]  # [Hk, C]
+        assert d.rows is not None  # `_decodes_on_pages` is False here
         labels = _gather(self.ds_pool.label_buffers[self._layer_id], d.rows)
         labels = labels.view(num_req, hk, d.max_len, -1).to(q.dtype)  # [Bd, Hk, L, C]
         qg = q.view(num_req, hk, group, head_dim)

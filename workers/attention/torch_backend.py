@@ -48,7 +48,7 @@ class _DecodeGroup:
     token_idx: torch.Tensor  # [Bd] packed index of each decode token
     slots: torch.Tensor  # [Bd, max_len] int64, each request's slots (past its length: unused)
     lens: torch.Tensor  # [Bd] int64
-    rows: torch.Tensor  # [Bd * Hk * max_len] pool rows (slot * Hk + head)
+    rows: torch.Tensor | None  # [Bd * Hk * max_len] pool rows (slot * Hk + head); None: paged
     max_len: int
     padding: torch.Tensor  # [Bd, 1, 1, max_len] bool, True = past the request's length
     window_padding: dict[int, torch.Tensor] = field(default_factory=dict)  # window -> padding
@@ -86,7 +86,9 @@ class TorchAttentionBackend(AttentionBackend):
         self._cascade = None
         if len(single) > 1 and self.device.type == "cpu" and self._all_plain:
             single = self._prepare_cascades(batch, single)
-        for part in split_by_length(single, seq_lens[single]):
+        paged = self._decodes_on_pages()  # no dense copy: one group, no pool rows
+        parts = [single] if paged and len(single) else split_by_length(single, seq_lens[single])
+        for part in parts:
             max_len = int(seq_lens[part].max())
             rows = torch.from_numpy(batch.row_idx[part]).to(self.device)
             lens = torch.from_numpy(seq_lens[part]).to(self.device)
@@ -97,7 +99,7 @@ class TorchAttentionBackend(AttentionBackend):
                         for w in self._windows}
             self._decodes.append(_DecodeGroup(
                 torch.from_numpy(starts[part]).to(self.device), slots, lens,
-                self._pool_rows(slots[:, None, :]).reshape(-1), max_len,
+                None if paged else self._pool_rows(slots[:, None, :]).reshape(-1), max_len,
                 padding[:, None, None, :], windowed))
         self._extends = []
         for i in np.flatnonzero(batch.extend_lens > 1):
@@ -111,6 +113,10 @@ class TorchAttentionBackend(AttentionBackend):
                 mask = kv_pos <= q_pos
             windowed = {w: (kv_pos <= q_pos) & (kv_pos > q_pos - w) for w in self._windows}
             self._extends.append(_ExtendEntry(int(starts[i]), ext, pool_rows, mask, windowed))
+
+    def _decodes_on_pages(self) -> bool:
+        """Every layer's decode attention reads the pages in place (the paged kernel)."""
+        return self.paged_kernel is not None and self._all_plain
 
     def _prepare_cascades(self, batch: ForwardBatch, single: np.ndarray) -> np.ndarray:
         """Put decode requests that share a long prefix into cascade groups; return the rest."""
@@ -186,15 +192,16 @@ class TorchAttentionBackend(AttentionBackend):
                           attn: LayerAttention) -> torch.Tensor:
         """One query per request: the query heads that share a KV head become rows of one
         matmul against that head's keys (no KV expansion; faster than SDPA here on CPU). Plain
-        layers read the pages in place when the compiled kernel runs (paged_decode.py); the
-        others, or without it, go through dense copies of the keys and values."""
+        layers read the pages in place when the paged kernel is built (paged_decode.py: faster
+        than the dense copies at every batch and length measured, from one request of 32
+        keys); the others, or without it, go through dense copies of the keys and values."""
         num_req, num_q_heads, head_dim = q.shape
         num_kv_heads = self.num_kv_heads
         qg = q.view(num_req, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
-        if (self.paged_kernel is not None and attn.is_plain(head_dim)
-                and pages_faster(num_req, d.max_len)):
+        if self.paged_kernel is not None and attn.is_plain(head_dim):
             out = self.paged_kernel(qg, k_buf, v_buf, d.slots, d.lens)
             return out.view(num_req, num_q_heads, head_dim)
+        assert d.rows is not None  # only groups of all-plain layers skip the rows
         shape = (num_req, num_kv_heads, d.max_len, head_dim)
         k = _gather(k_buf, d.rows).view(shape).to(q.dtype)  # [Bd, Hk, L, D]
         v = _gather(v_buf, d.rows).view(shape).to(q.dtype)
@@ -205,19 +212,6 @@ class TorchAttentionBackend(AttentionBackend):
         return torch.matmul(probs, v).view(num_req, num_q_heads, head_dim)
 
 
-# The compiled paged kernel against the dense copies (`benchmarks/paged_decode_bench.py`, 2
-# threads, AVX2 Zen 3, 3 KV heads of 64, G = 3, each request's slots one run): 0.55-0.87x the
-# time at 4 and 8 requests of 64-1000 keys, 0.29-0.73x at 16 and 64 requests; about even at 1
-# and 2 requests (0.3-1.3x, noisy), where the dense copies stay (the CPU decode graph takes a
-# lone request when on).
-PAGED_MIN_REQUESTS = 4
-PAGED_MIN_LEN = 64
-
-
-def pages_faster(num_req: int, max_len: int) -> bool:
-    """Whether a decode group of `num_req` requests padded to `max_len` keys runs the paged
-    kernel (faster with many long requests) rather than dense copies (faster otherwise)."""
-    return num_req >= PAGED_MIN_REQUESTS and max_len >= PAGED_MIN_LEN
 
 
 MIN_SPLIT_SAVING = 0.15  # split a decode batch in two when that gathers 15% fewer keys

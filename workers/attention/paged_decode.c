@@ -1,0 +1,141 @@
+/* Decode attention on the KV pool's pages (CPU): one query token per request attends to the
+   keys and values at its slots, read in place from `[num_slots, num_kv_heads, HEAD_DIM]`
+   buffers. Built by workers/native_build.py for one model's head sizes (HEAD_DIM, GROUP: the
+   query heads per KV head), loaded with ctypes (workers/attention/paged_decode.py).
+
+   Per (request, KV head), on OpenMP threads: the GROUP queries are scaled and kept in float32;
+   keys are taken BLOCK at a time: scores, then an online softmax (running maximum and sum, the
+   accumulator rescaled when the maximum grows), then the values weighted into the accumulator.
+   Each key and value row is read from its page once; float32 inside, bf16 or float32 in and
+   out (bf16 rounded to nearest even, as torch rounds). */
+
+#include <stdint.h>
+#include <string.h>
+
+#if !defined(HEAD_DIM) || !defined(GROUP)
+#error "HEAD_DIM and GROUP must be defined"
+#endif
+
+#define BLOCK 32
+#define INLINE static inline __attribute__((always_inline))
+
+/* e^x for x <= 0 (a score less the running maximum), to about 2e-7 relative: 2^(x log2 e)
+   split into an integer part, put into the exponent bits, and a degree-6 polynomial for the
+   fraction. Plain arithmetic, so the loops that call it are vectorised. */
+INLINE float exp_nonpos(float x) {
+  x = x < -87.f ? -87.f : x;
+  const float t = x * 1.44269504088896341f;
+  int32_t i = (int32_t)t; /* toward zero; t <= 0, so one less where that is above t */
+  i -= (float)i > t;
+  const float f = t - (float)i; /* [0, 1) */
+  float p = 1.535336188319500e-4f;
+  p = p * f + 1.339887440266574e-3f;
+  p = p * f + 9.618437357674640e-3f;
+  p = p * f + 5.550332471162809e-2f;
+  p = p * f + 2.402264791363012e-1f;
+  p = p * f + 6.931472028550421e-1f;
+  p = p * f + 1.0f;
+  const uint32_t bits = (uint32_t)(i + 127) << 23;
+  float scale;
+  memcpy(&scale, &bits, 4);
+  return p * scale;
+}
+
+INLINE void load_row(float *dst, const void *base, int64_t row, const int bf16) {
+  if (bf16) {
+    const uint16_t *src = (const uint16_t *)base + row * HEAD_DIM;
+    for (int d = 0; d < HEAD_DIM; d++) {
+      const uint32_t bits = (uint32_t)src[d] << 16;
+      memcpy(dst + d, &bits, 4);
+    }
+  } else {
+    memcpy(dst, (const float *)base + row * HEAD_DIM, HEAD_DIM * sizeof(float));
+  }
+}
+
+INLINE void store_row(void *base, int64_t row, const float *src, float mul, const int bf16) {
+  if (bf16) {
+    uint16_t *dst = (uint16_t *)base + row * HEAD_DIM;
+    for (int d = 0; d < HEAD_DIM; d++) {
+      const float f = src[d] * mul;
+      uint32_t u;
+      memcpy(&u, &f, 4);
+      u = (u & 0x7fffffffu) > 0x7f800000u ? (u | 0x400000u) : u + 0x7fffu + ((u >> 16) & 1u);
+      dst[d] = (uint16_t)(u >> 16);
+    }
+  } else {
+    float *dst = (float *)base + row * HEAD_DIM;
+    for (int d = 0; d < HEAD_DIM; d++) dst[d] = src[d] * mul;
+  }
+}
+
+/* request b's GROUP queries of KV head h against its first `len` slots */
+INLINE void attend(const void *q, const void *k_buf, const void *v_buf, const int64_t *slots,
+                   int64_t len, void *out, int64_t b, int64_t h, int64_t num_kv_heads,
+                   float scale, const int bf16) {
+  float qf[GROUP][HEAD_DIM], acc[GROUP][HEAD_DIM], m[GROUP], s[GROUP], sc[GROUP][BLOCK];
+  float row[HEAD_DIM];
+  for (int g = 0; g < GROUP; g++) {
+    load_row(qf[g], q, (b * num_kv_heads + h) * GROUP + g, bf16);
+    for (int d = 0; d < HEAD_DIM; d++) {
+      qf[g][d] *= scale;
+      acc[g][d] = 0.f;
+    }
+    m[g] = -3.0e38f;
+    s[g] = 0.f;
+  }
+  for (int64_t l0 = 0; l0 < len; l0 += BLOCK) {
+    const int n = (int)(len - l0 < BLOCK ? len - l0 : BLOCK);
+    for (int j = 0; j < n; j++) {
+      load_row(row, k_buf, slots[l0 + j] * num_kv_heads + h, bf16);
+      for (int g = 0; g < GROUP; g++) {
+        float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+        for (int d = 0; d < HEAD_DIM; d++) dot += qf[g][d] * row[d];
+        sc[g][j] = dot;
+      }
+    }
+    for (int g = 0; g < GROUP; g++) {
+      float top = m[g];
+#pragma omp simd reduction(max : top)
+      for (int j = 0; j < n; j++) top = sc[g][j] > top ? sc[g][j] : top;
+      const float alpha = exp_nonpos(m[g] - top);
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int j = 0; j < n; j++) {
+        const float p = exp_nonpos(sc[g][j] - top);
+        sc[g][j] = p;
+        sum += p;
+      }
+      s[g] = s[g] * alpha + sum;
+      m[g] = top;
+      for (int d = 0; d < HEAD_DIM; d++) acc[g][d] *= alpha;
+    }
+    for (int j = 0; j < n; j++) {
+      load_row(row, v_buf, slots[l0 + j] * num_kv_heads + h, bf16);
+      for (int g = 0; g < GROUP; g++) {
+        const float p = sc[g][j];
+        for (int d = 0; d < HEAD_DIM; d++) acc[g][d] += p * row[d];
+      }
+    }
+  }
+  for (int g = 0; g < GROUP; g++)
+    store_row(out, (b * num_kv_heads + h) * GROUP + g, acc[g], 1.f / s[g], bf16);
+}
+
+/* q and out `[batch, num_kv_heads, GROUP, HEAD_DIM]`; slots `[batch, max_len]`, of which the
+   first lens[b] are request b's (lens[b] >= 1); all contiguous */
+#define ENTRY(NAME, BF16)                                                                      \
+  void NAME(const void *q, const void *k_buf, const void *v_buf, const int64_t *slots,         \
+            const int64_t *lens, void *out, int64_t batch, int64_t max_len,                    \
+            int64_t num_kv_heads, float scale, int threads) {                                  \
+    _Pragma("omp parallel for schedule(dynamic, 1) num_threads(threads)")                     \
+    for (int64_t item = 0; item < batch * num_kv_heads; item++) {                              \
+      const int64_t b = item / num_kv_heads;                                                   \
+      attend(q, k_buf, v_buf, slots + b * max_len, lens[b], out, b, item % num_kv_heads,       \
+             num_kv_heads, scale, BF16);                                                       \
+    }                                                                                          \
+  }
+
+ENTRY(paged_decode_bf16, 1)
+ENTRY(paged_decode_f32, 0)
