@@ -10,9 +10,8 @@ every decoder layer, the final norm and the LM head) is traced once by torch's o
 (`layers/packed.py`: `linear` while compiling), which inductor turns into one parallel,
 vectorised loop over the weight rows that reads each weight once; the norms, rotary embedding,
 activation and residual adds fuse into a few loops; attention reads the request's K/V from the
-pool's pages through the `raydix::paged_decode` operator (attention/paged_decode.py; where that
-kernel could not be built, its plain-ops source, traced and fused), and the new token's K/V is
-written through the `raydix::store_kv` operator, in place.
+pool's pages (`paged_decode_reference`, traced and fused into the graph), and the new token's
+K/V is written through the `raydix::store_kv` operator, in place.
 
 The graph reads the decoder layers' weights in their plain `[out, in]` layout, so a runner that
 uses it keeps them plain (one copy) rather than oneDNN-packed. In bf16 the LM head is the
@@ -33,7 +32,8 @@ same layer traced for a batch whose size and key count are dynamic (one compile 
 batch), its linear layers the GEMM library's products as the eager step calls them (bf16:
 inductor's own call; fp32: oneDNN's, as `raydix::onednn_linear`, where inductor would call MKL's
 sgemm, slower on AMD CPUs) and everything between them fused, attention the paged kernel on each
-request's pages. A mixed workload's decode steps (SmolLM2-135M, two threads, mean of 112
+request's pages (the `raydix::paged_decode` operator, attention/paged_decode.py; where it could
+not be built, its plain-ops source traced). A mixed workload's decode steps (SmolLM2-135M, two threads, mean of 112
 steps of 1-16 requests) took 42-45 ms against 62 eagerly in bf16, 65-67 against 76-78 in fp32.
 
 The graphs are compiled at start (`warm_up`); inductor keeps the compiled code in its on-disk
@@ -51,7 +51,7 @@ import torch
 
 from .attention.base import ForwardBatch
 from .attention.cascade import find_groups
-from .attention.paged_decode import attend
+from .attention.paged_decode import attend, paged_decode_reference
 from .kv_pool import KVPool
 from .layers.custom_ops import CUSTOM_OPS
 from .layers.rotary import RotaryEmbedding
@@ -122,7 +122,9 @@ class _OneRequestAttention:
         num_kv_heads = self.k_buf.shape[1]
         qg = q.view(1, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
         lens = torch.full((1,), self.slots.shape[1], dtype=torch.int64)
-        out = attend(qg, self.k_buf, self.v_buf, self.slots, lens)
+        # the plain ops, fused into the graph: one request's attention is small, and the paged
+        # kernel as an opaque call in the graph cost a lone stream 8-9% (one stream 0.91-0.92x)
+        out = paged_decode_reference(qg, self.k_buf, self.v_buf, self.slots, lens)
         return out.reshape(1, num_q_heads * head_dim)
 
 
