@@ -1,7 +1,7 @@
 """CPU decode attention of one layer: the paged kernel (workers/attention/paged_decode.c)
 against the dense copies (`torch_backend`'s other path) and against the same attention's torch
 ops compiled by inductor for static head sizes (the kernel's form before the C kernel), per
-batch size and length, with the path `pages_faster` picks. SmolLM2-135M's heads (3 KV heads of
+batch size and length. SmolLM2-135M's heads (3 KV heads of
 64, 3 query heads each), a 40,000-slot pool, each request's slots one run at a random start (as
 a prefill allocates them; `--random-slots`: scattered), glibc keeping freed blocks as the engine
 does; best of three wall-clock means of 20 calls.
@@ -19,7 +19,6 @@ from collections.abc import Callable
 import torch
 
 from raydix.workers.attention import paged_decode
-from raydix.workers.attention.torch_backend import pages_faster
 from raydix.workers.host_memory import keep_freed_memory
 
 HK, G, D, NUM_SLOTS = 3, 3, 64, 40_000
@@ -93,7 +92,7 @@ def main() -> None:
     print(f"{args.threads} threads, {args.dtype}, "
           f"{'scattered' if args.random_slots else 'one run per request'}")
     print(f"{'requests':>8} {'keys':>5} {'paged us':>9} {'dense us':>9} {'inductor us':>11} "
-          f"{'paged/dense':>11} {'paged/inductor':>14}  picks")
+          f"{'paged/dense':>11} {'paged/inductor':>14}")
     with torch.inference_mode():
         for num_req in args.requests:
             for num_keys in args.keys:
@@ -103,9 +102,8 @@ def main() -> None:
                 inputs = (q, k_buf, v_buf, slots, lens)
                 paged, dense = _micros(kernel, inputs), _micros(_dense, inputs)
                 old = _micros(compiled, inputs)
-                pick = "paged" if pages_faster(num_req, num_keys) else "dense"
                 print(f"{num_req:>8} {num_keys:>5} {paged:>9.0f} {dense:>9.0f} {old:>11.0f} "
-                      f"{paged / dense:>10.2f}x {paged / old:>13.2f}x  {pick}", flush=True)
+                      f"{paged / dense:>10.2f}x {paged / old:>13.2f}x", flush=True)
 
 
 if __name__ == "__main__":

@@ -173,11 +173,12 @@ BATCHED_DTYPES = (torch.bfloat16, torch.float32)
 PACKED_HEAD_DTYPES = (torch.bfloat16,)
 
 # Requests that share a long prefix decode faster eagerly: the eager backend's cascade reads the
-# shared keys once per group (attention/cascade.py), the batched graph once per request. Past
-# this many key reads saved a layer the eager step wins (bf16, two threads: 32 requests on a
-# 2,000-token prefix, 62,000 saved, 136 ms a step eagerly against 185 through the graph; 48 on
-# 3,000, 201 against 356; 4 groups of 4 on 512, 6,144 saved, 69 against 64).
-CASCADE_KEYS_SAVED = 16_384
+# shared keys once per group (attention/cascade.py), the batched graph once per request (through
+# the paged kernel). Past this many key reads saved a layer the eager step wins (bf16, two
+# threads, SmolLM2-135M, mean decode step eagerly against through the graph: 48 requests on a
+# 3,000-token prefix, 141,000 saved, 191 ms against 218; 32 on 2,000, 62,000 saved, 116 against
+# 117; 8 groups of 8 on 512, 28,672 saved, 168 against 135; 4 groups of 4 on 512, 64 against 64).
+CASCADE_KEYS_SAVED = 65_536
 
 
 def _as_warmed_up(batch: ForwardBatch) -> bool:
