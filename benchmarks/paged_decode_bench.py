@@ -2,9 +2,11 @@
 against the dense copies (`torch_backend`'s other path) and against the same attention's torch
 ops compiled by inductor for static head sizes (the kernel's form before the C kernel), per
 batch size and length. SmolLM2-135M's heads (3 KV heads of
-64, 3 query heads each), a 40,000-slot pool, each request's slots one run at a random start (as
-a prefill allocates them; `--random-slots`: scattered), glibc keeping freed blocks as the engine
-does; best of three wall-clock means of 20 calls.
+64, 3 query heads each), a 40,000-slot pool per layer, each request's slots one run at a random
+start (as a prefill allocates them; `--random-slots`: scattered, as a pool whose slots were
+freed and reused gives them), glibc keeping freed blocks as the engine does; each call on the
+next of `--layers` layers' pools (30, as the model: the rows come from memory, not from a cache
+that one layer's pool would stay in); best of three wall-clock means of 30 calls.
 
     python benchmarks/paged_decode_bench.py [--threads 2] [--dtype bfloat16] [--random-slots]
         [--requests 1 4 16] [--keys 150 600]
@@ -38,14 +40,15 @@ def _dense(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, slots: tor
     return torch.matmul(probs.to(q.dtype), v)
 
 
-def _micros(fn: Callable[..., torch.Tensor], args: tuple[torch.Tensor, ...],
-            calls: int = 20) -> float:
-    fn(*args)
+def _micros(fn: Callable[..., torch.Tensor], q: torch.Tensor,
+            pools: list[tuple[torch.Tensor, torch.Tensor]], slots: torch.Tensor,
+            lens: torch.Tensor, calls: int = 30) -> float:
+    fn(q, *pools[0], slots, lens)
     best = float("inf")
     for _ in range(3):
         start = time.perf_counter()
-        for _ in range(calls):
-            fn(*args)
+        for i in range(calls):
+            fn(q, *pools[i % len(pools)], slots, lens)
         best = min(best, (time.perf_counter() - start) / calls)
     return best * 1e6
 
@@ -78,6 +81,7 @@ def main() -> None:
     parser.add_argument("--random-slots", action="store_true", help="scattered slots")
     parser.add_argument("--requests", type=int, nargs="+", default=[1, 2, 4, 8, 16, 64])
     parser.add_argument("--keys", type=int, nargs="+", default=[64, 150, 300, 600, 1000])
+    parser.add_argument("--layers", type=int, default=30, help="pools called in turn")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     keep_freed_memory()
@@ -87,9 +91,10 @@ def main() -> None:
         raise SystemExit("the paged kernel could not be built here")
     compiled = _compiled()
     gen = torch.Generator().manual_seed(0)
-    k_buf = torch.randn(NUM_SLOTS, HK, D, generator=gen).to(dtype)
-    v_buf = torch.randn(NUM_SLOTS, HK, D, generator=gen).to(dtype)
-    print(f"{args.threads} threads, {args.dtype}, "
+    pools = [(torch.randn(NUM_SLOTS, HK, D, generator=gen).to(dtype),
+              torch.randn(NUM_SLOTS, HK, D, generator=gen).to(dtype))
+             for _ in range(args.layers)]
+    print(f"{args.threads} threads, {args.dtype}, {args.layers} layers' pools, "
           f"{'scattered' if args.random_slots else 'one run per request'}")
     print(f"{'requests':>8} {'keys':>5} {'paged us':>9} {'dense us':>9} {'inductor us':>11} "
           f"{'paged/dense':>11} {'paged/inductor':>14}")
@@ -99,9 +104,9 @@ def main() -> None:
                 q = torch.randn(num_req, HK, G, D, generator=gen).to(dtype)
                 slots = _slots(num_req, num_keys, args.random_slots, gen)
                 lens = torch.full((num_req,), num_keys)
-                inputs = (q, k_buf, v_buf, slots, lens)
-                paged, dense = _micros(kernel, inputs), _micros(_dense, inputs)
-                old = _micros(compiled, inputs)
+                paged = _micros(kernel, q, pools, slots, lens)
+                dense = _micros(_dense, q, pools, slots, lens)
+                old = _micros(compiled, q, pools, slots, lens)
                 print(f"{num_req:>8} {num_keys:>5} {paged:>9.0f} {dense:>9.0f} {old:>11.0f} "
                       f"{paged / dense:>10.2f}x {paged / old:>13.2f}x", flush=True)
 

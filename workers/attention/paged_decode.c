@@ -7,7 +7,11 @@
    keys are taken BLOCK at a time: scores, then an online softmax (running maximum and sum, the
    accumulator rescaled when the maximum grows), then the values weighted into the accumulator.
    Each key and value row is read from its page once; float32 inside, bf16 or float32 in and
-   out (bf16 rounded to nearest even, as torch rounds). */
+   out (bf16 rounded to nearest even, as torch rounds). A request's slots are scattered over the
+   pool once the cache has freed and reused them, so the rows of the next block of keys and of
+   this block's values are prefetched while the scores are computed (30 layers' pools, cold
+   caches, slots at random: 16 requests of 420 keys 815 against 1,062 us a layer; slots in
+   runs: no change). */
 
 #include <stdint.h>
 #include <string.h>
@@ -39,6 +43,11 @@ INLINE float exp_nonpos(float x) {
   float scale;
   memcpy(&scale, &bits, 4);
   return p * scale;
+}
+
+INLINE void prefetch_row(const void *base, int64_t offset, int64_t bytes) {
+  for (int64_t line = 0; line < bytes; line += 64)
+    __builtin_prefetch((const char *)base + offset + line, 0, 3);
 }
 
 INLINE void load_row(float *dst, const void *base, int64_t row, const int bf16) {
@@ -84,8 +93,16 @@ INLINE void attend(const void *q, const void *k_buf, const void *v_buf, const in
     m[g] = -3.0e38f;
     s[g] = 0.f;
   }
+  const int64_t row_bytes = HEAD_DIM * (bf16 ? 2 : 4);
+  for (int64_t j = 0; j < len && j < BLOCK; j++)  /* the first block's keys */
+    prefetch_row(k_buf, (slots[j] * num_kv_heads + h) * row_bytes, row_bytes);
   for (int64_t l0 = 0; l0 < len; l0 += BLOCK) {
     const int n = (int)(len - l0 < BLOCK ? len - l0 : BLOCK);
+    /* the rows this block reads next and the next block's keys: their loads overlap */
+    for (int j = 0; j < n; j++)
+      prefetch_row(v_buf, (slots[l0 + j] * num_kv_heads + h) * row_bytes, row_bytes);
+    for (int64_t j = l0 + BLOCK; j < len && j < l0 + 2 * BLOCK; j++)
+      prefetch_row(k_buf, (slots[j] * num_kv_heads + h) * row_bytes, row_bytes);
     for (int j = 0; j < n; j++) {
       load_row(row, k_buf, slots[l0 + j] * num_kv_heads + h, bf16);
       for (int g = 0; g < GROUP; g++) {
