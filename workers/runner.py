@@ -26,6 +26,7 @@ from .grammar import GrammarCompiler, GrammarTable
 from .host_kv_pool import check_copies, make_host_pool
 from .host_memory import keep_freed_memory
 from .kv_pool import KVPool, KVPoolConfig, MLAKVPool
+from .layers import small_gemm
 from .layers.embedding import ParallelLMHead
 from .layers.fused import fused_ops_for
 from .layers.packed import (
@@ -92,6 +93,8 @@ class ModelRunner:
                     pack_linear_layers(self.model, config.max_running_requests)  # the only copy
                 elif dtype in PACKED_HEAD_DTYPES:  # the graph reads the layers' weights plain
                     pack_linear_layers(self.model, config.max_running_requests, ParallelLMHead)
+                    if dtype == torch.bfloat16:  # their products of a few rows (small_gemm.py)
+                        small_gemm.warm_up()
             else:
                 logger.warning("linear layers run unpacked in %s: oneDNN packing covers float32, "
                                "and bfloat16 where the CPU has native bf16 (avx512_bf16 or amx; "

@@ -11,6 +11,7 @@ import torch
 
 from raydix.workers import cpu_decode_graph
 from raydix.workers.config import WorkerConfig
+from raydix.workers.layers import small_gemm
 from raydix.workers.runner import ModelRunner
 from raydix.workers.step import ScheduledRequest, StepPlan
 
@@ -66,9 +67,14 @@ def test_batches_run_one_graph_and_agree_with_the_eager_step(
     gen = torch.Generator().manual_seed(3)
     tokens = [torch.randint(3, 250, (n,), generator=gen).tolist()
               for n in (STEPS, STEPS, STEPS // 2, STEPS)]
-    with torch._dynamo.config.patch(error_on_recompile=True):  # the warm-up compiled it all
+    with torch._dynamo.config.patch(error_on_recompile=True), torch.profiler.profile(
+            ) as prof:  # the warm-up compiled it all
         got = _decode_logits(graph_runner, prompts, tokens)
     assert batched == [4] * (STEPS // 2) + [3] * (STEPS - STEPS // 2)
+    # bf16 products of the batches: the small-GEMM kernel where this CPU runs it (four a layer)
+    products = sum(e.name == "raydix::small_gemm" for e in prof.events())
+    expected = dtype == "bfloat16" and small_gemm.warm_up()
+    assert products == (STEPS * 4 * graph_runner.kv_pool.config.num_layers if expected else 0)
     want = _decode_logits(eager, prompts, tokens)
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(torch.from_numpy(g), torch.from_numpy(w), **TOLERANCES[dtype])

@@ -21,6 +21,7 @@ from raydix.workers.attention.base import ForwardBatch
 from raydix.workers.attention.flashinfer_backend import FlashInferAttentionBackend
 from raydix.workers.config import ModelConfig
 from raydix.workers.kv_pool import KVPool, KVPoolConfig
+from raydix.workers.layers import small_gemm
 from raydix.workers.layers.custom_ops import CustomOps
 from raydix.workers.layers.fused import TORCH_OPS, FusedOps, fused_ops_for
 from raydix.workers.models import LlamaForCausalLM, build_model
@@ -33,6 +34,13 @@ LAYERS, PAGE = 3, 4
 _LIB = torch.library.Library("raydix_test", "DEF")
 _LIB.define("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache) -> Tensor")
 _LIB.impl("paged_attention", lambda q, k, v: torch.zeros(q.shape, dtype=q.dtype), "CPU")
+
+
+@pytest.fixture(autouse=True)
+def cuda_products(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The products as the CUDA path launches them: torch's linear (the CPU's small-GEMM kernel
+    for a few bf16 rows, built by another test in this process, never runs on CUDA)."""
+    monkeypatch.setattr(small_gemm, "_library", None)
 
 
 class _Wrapper:

@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import small_gemm
+
 if TYPE_CHECKING:
     from ..config import ModelConfig, WorkerConfig
     from ..parallel import TPGroup
@@ -85,6 +87,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor | None, packed: torch.Tensor | 
         # inductor reads each weight row once in a parallel loop; a matrix product would call
         # the GEMM library, which computes one row at about half the memory bandwidth
         y = (x[:, None, :] * weight[None]).sum(-1)
+        return y if bias is None else y + bias
+    if small_gemm.serves(x, weight) and (torch.compiler.is_compiling()
+                                         or x.shape[0] <= small_gemm.MAX_ROWS):
+        # bf16, a few rows (the batched decode graph's products: it picks by rows at run time)
+        y = torch.ops.raydix.small_gemm(x, weight)
         return y if bias is None else y + bias
     if (weight.device.type == "cpu" and weight.dtype == torch.float32 and x.dtype == weight.dtype
             and x.dim() == 2):

@@ -1,0 +1,156 @@
+/* y = x W^T for a few rows of bf16 input against a plain bf16 weight `[N, K]` (CPU, AVX-512
+   BF16): the decode step's linear layers, where the GEMM library on an unpacked weight reads
+   it at a fraction of the memory bandwidth. Built by workers/native_build.py, loaded with
+   ctypes (workers/layers/small_gemm.py). Float32 accumulation, the result rounded to bf16 to
+   nearest even (as torch rounds).
+
+   Up to ROWS_MAX rows, "rows" kernel: per block of NB weight rows, MB input rows at a time,
+   each dot product in a 16-lane accumulator of bf16 pair products (`vdpbf16ps`), summed
+   across lanes at the end; the weight block is read from memory once and reused from cache
+   for every input row. More rows, "lanes" kernel: the input is transposed once into k-pairs of
+   16 rows (`xt`), and each weight pair is broadcast against it, so 16 rows advance in one
+   instruction with no sum across lanes. Both split the weight rows between the OpenMP
+   threads. */
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+int small_gemm_native(void) {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#include <immintrin.h>
+
+#define NB 4        /* weight rows per block, rows kernel */
+#define NT 8        /* weight rows per block, lanes kernel */
+#define ROWS_MAX 4  /* the rows kernel takes up to this many input rows */
+#define INLINE static inline __attribute__((always_inline))
+
+INLINE uint16_t to_bf16(float f) {
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  u = (u & 0x7fffffffu) > 0x7f800000u ? (u | 0x400000u) : u + 0x7fffu + ((u >> 16) & 1u);
+  return (uint16_t)(u >> 16);
+}
+
+/* MB input rows from m0 against the NB weight rows at w0 (the first nn of them real: the rest
+   repeat w0's first row and are not written) */
+#define ROWS(MB)                                                                               \
+  INLINE void rows##MB(const uint16_t *x, const uint16_t *const *wr, uint16_t *y, int64_t m0,  \
+                       int64_t n0, int nn, int64_t N, int64_t K) {                             \
+    const int64_t kfull = K / 32 * 32;                                                         \
+    const __mmask32 tail = (__mmask32)((1ull << (K - kfull)) - 1);                             \
+    __m512 acc[MB][NB];                                                                        \
+    for (int i = 0; i < MB; i++)                                                               \
+      for (int j = 0; j < NB; j++) acc[i][j] = _mm512_setzero_ps();                            \
+    for (int64_t k = 0; k < kfull; k += 32) {                                                  \
+      __m512bh wv[NB];                                                                         \
+      for (int j = 0; j < NB; j++) wv[j] = (__m512bh)_mm512_loadu_si512(wr[j] + k);            \
+      for (int i = 0; i < MB; i++) {                                                           \
+        const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + (m0 + i) * K + k);                \
+        for (int j = 0; j < NB; j++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);       \
+      }                                                                                        \
+    }                                                                                          \
+    if (tail) {                                                                                \
+      __m512bh wv[NB];                                                                         \
+      for (int j = 0; j < NB; j++)                                                             \
+        wv[j] = (__m512bh)_mm512_maskz_loadu_epi16(tail, wr[j] + kfull);                       \
+      for (int i = 0; i < MB; i++) {                                                           \
+        const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(tail, x + (m0 + i) * K + kfull); \
+        for (int j = 0; j < NB; j++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);       \
+      }                                                                                        \
+    }                                                                                          \
+    for (int i = 0; i < MB; i++)                                                               \
+      for (int j = 0; j < nn; j++)                                                             \
+        y[(m0 + i) * N + n0 + j] = to_bf16(_mm512_reduce_add_ps(acc[i][j]));                   \
+  }
+ROWS(1)
+ROWS(2)
+ROWS(3)
+ROWS(4)
+
+static void gemm_rows(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t M, int64_t N,
+                      int64_t K, int threads) {
+  const int64_t blocks = (N + NB - 1) / NB;
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t b = 0; b < blocks; b++) {
+    const int64_t n0 = b * NB;
+    const int nn = (int)(N - n0 < NB ? N - n0 : NB);
+    const uint16_t *wr[NB];
+    for (int j = 0; j < NB; j++) wr[j] = w + (n0 + (j < nn ? j : 0)) * K;
+    if (b + 1 < blocks) /* the next block, while this one computes */
+      for (int64_t line = 0; line < NB * K * 2; line += 64)
+        __builtin_prefetch((const char *)(w + (n0 + NB) * K) + line, 0, 0);
+    switch (M) {
+      case 4: rows4(x, wr, y, 0, n0, nn, N, K); break;
+      case 3: rows3(x, wr, y, 0, n0, nn, N, K); break;
+      case 2: rows2(x, wr, y, 0, n0, nn, N, K); break;
+      default: rows1(x, wr, y, 0, n0, nn, N, K); break;
+    }
+  }
+}
+
+/* K even: xt holds, per chunk of 16 input rows, each k pair of each row (rows past M zero) */
+static void gemm_lanes(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t M, int64_t N,
+                       int64_t K, int threads) {
+  const int64_t pairs = K / 2, chunks = (M + 15) / 16;
+  const size_t bytes = (size_t)(chunks * pairs * 16 * 4 + 63) / 64 * 64;
+  uint32_t *xt = aligned_alloc(64, bytes);
+  if (xt == NULL) abort();
+  for (int64_t c = 0; c < chunks; c++)
+    for (int r = 0; r < 16; r++) {
+      const int64_t m = c * 16 + r;
+      const uint16_t *row = x + m * K;
+      for (int64_t p = 0; p < pairs; p++) {
+        uint32_t pair = 0;
+        if (m < M) memcpy(&pair, row + 2 * p, 4);
+        xt[(c * pairs + p) * 16 + r] = pair;
+      }
+    }
+  const int64_t blocks = (N + NT - 1) / NT;
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t b = 0; b < blocks; b++) {
+    const int64_t n0 = b * NT;
+    const int nn = (int)(N - n0 < NT ? N - n0 : NT);
+    const uint16_t *wr[NT];
+    for (int j = 0; j < NT; j++) wr[j] = w + (n0 + (j < nn ? j : 0)) * K;
+    for (int64_t c = 0; c < chunks; c++) {
+      __m512 acc[NT];
+      for (int j = 0; j < NT; j++) acc[j] = _mm512_setzero_ps();
+      const uint32_t *xc = xt + c * pairs * 16;
+      for (int64_t p = 0; p < pairs; p++) {
+        const __m512bh xv = (__m512bh)_mm512_load_si512(xc + p * 16);
+        for (int j = 0; j < NT; j++) {
+          uint32_t pair;
+          memcpy(&pair, wr[j] + 2 * p, 4);
+          acc[j] = _mm512_dpbf16_ps(acc[j], xv, (__m512bh)_mm512_set1_epi32((int)pair));
+        }
+      }
+      float tile[NT][16];
+      for (int j = 0; j < NT; j++) _mm512_storeu_ps(tile[j], acc[j]);
+      const int rows = (int)(M - c * 16 < 16 ? M - c * 16 : 16);
+      for (int r = 0; r < rows; r++)
+        for (int j = 0; j < nn; j++) y[(c * 16 + r) * N + n0 + j] = to_bf16(tile[j][r]);
+    }
+  }
+  free(xt);
+}
+
+/* x [M, K], w [N, K], y [M, N]: bf16, row-major, contiguous; M >= 1 */
+void small_gemm_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t M, int64_t N,
+                     int64_t K, int threads) {
+  if (M <= ROWS_MAX || K % 2)
+    for (int64_t m0 = 0; m0 < M; m0 += ROWS_MAX) {
+      const int64_t rows = M - m0 < ROWS_MAX ? M - m0 : ROWS_MAX;
+      gemm_rows(x + m0 * K, w, y + m0 * N, rows, N, K, threads);
+    }
+  else
+    gemm_lanes(x, w, y, M, N, K, threads);
+}
+#endif
