@@ -15,6 +15,7 @@ from .attention import (
     AttentionBackend,
     ForwardBatch,
     TorchAttentionBackend,
+    block_causal,
     make_backend,
     paged_decode,
 )
@@ -136,6 +137,9 @@ class ModelRunner:
                 and config.cpu_compiled_attention):
             self.backend.paged_kernel = paged_decode.warm_up(
                 heads.num_kv_heads, mc.head_dim, mc.num_heads // mc.num_kv_heads, dtype)
+        if (isinstance(self.backend, TorchAttentionBackend) and self.device.type == "cpu"
+                and self.backend.block_causal and dtype == torch.bfloat16):
+            block_causal.warm_up()  # the row blocks' softmax kernel
         self.sampler = Sampler(self.device)
         self.penalties = PenaltyTracker(mc.vocab_size, self.device)  # driving rank only
         # the tokens the last step sampled, on the device: the next plan's placeholders

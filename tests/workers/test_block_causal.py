@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from raydix.workers.attention import torch_backend
+from raydix.workers.attention import block_causal, torch_backend
 from raydix.workers.attention.block_causal import block_causal_attention
 from raydix.workers.attention.torch_backend import TorchAttentionBackend
 from raydix.workers.config import WorkerConfig
@@ -15,6 +15,16 @@ from raydix.workers.runner import ModelRunner
 from raydix.workers.step import ScheduledRequest, StepPlan
 
 from .conftest import TinyModel
+
+
+@pytest.fixture(params=["softmax kernel", "torch softmax"])
+def softmax(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each test runs with the C softmax (causal_softmax.c) and with torch's."""
+    if request.param == "softmax kernel":
+        assert block_causal.warm_up(), "the causal softmax kernel could not be built here"
+    else:
+        monkeypatch.setattr(block_causal, "_softmax", None)
+    return str(request.param)
 
 
 def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int,
@@ -39,7 +49,8 @@ def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int,
 ])
 @pytest.mark.parametrize(("num_q_heads", "num_kv_heads", "head_dim"), [(6, 2, 16), (4, 4, 32)])
 def test_equals_a_float32_causal_reference(prefix: int, n: int, num_q_heads: int,
-                                           num_kv_heads: int, head_dim: int) -> None:
+                                           num_kv_heads: int, head_dim: int, softmax: str
+                                           ) -> None:
     gen = torch.Generator().manual_seed(prefix * 1000 + n)
     q = torch.randn(num_q_heads, n, head_dim, generator=gen).bfloat16()
     k = torch.randn(num_kv_heads, prefix + n, head_dim, generator=gen).bfloat16()
@@ -53,7 +64,24 @@ def test_equals_a_float32_causal_reference(prefix: int, n: int, num_q_heads: int
                                rtol=3e-2)
 
 
-def test_a_query_never_sees_a_later_key() -> None:
+def test_the_softmax_kernel_rounds_as_torch_does() -> None:
+    """The kernel's probabilities against torch's masked bf16 softmax on the same scores:
+    equal but for the odd last-bit rounding, masked keys exactly 0."""
+    assert block_causal.warm_up()
+    gen = torch.Generator().manual_seed(8)
+    rows, keys = 96, 400
+    scores = (torch.randn(3, 2, rows, keys, generator=gen) * 4).bfloat16()
+    above = torch.ones(rows, rows, dtype=torch.bool).triu(1)
+    want = scores.clone()
+    want[..., keys - rows:].masked_fill_(above, float("-inf"))
+    want = torch.softmax(want, dim=-1)
+    got = block_causal._masked_softmax(scores.clone(), rows)
+    assert (got == want).float().mean() > 0.999
+    torch.testing.assert_close(got.float(), want.float(), atol=2 ** -9, rtol=2 ** -7)
+    assert not got[..., keys - rows:][..., above].any()
+
+
+def test_a_query_never_sees_a_later_key(softmax: str) -> None:
     """Changing the keys and values after position p leaves rows up to p unchanged."""
     gen = torch.Generator().manual_seed(3)
     q = torch.randn(2, 300, 16, generator=gen).bfloat16()

@@ -15,16 +15,63 @@ heads of 64, two runs, blocks / flash time): 512 new tokens 2.2-2.3 against 4.3 
 
 Scores are bf16, as in transformers' eager bf16 path (the flash kernel keeps them in float32);
 float32 models keep the flash kernel, exact against transformers.
+
+The softmax, with the diagonal block's mask, is a small C kernel where it builds
+(`causal_softmax.c`, `warm_up`; bf16 in and out, float32 inside, as torch's): in place on the
+scores, one call per block instead of a masked fill and torch's softmax.
 """
 
 from __future__ import annotations
 
+import ctypes
+import logging
+from pathlib import Path
+
 import torch
+
+from ..native_build import NativeBuildError, load
+
+logger = logging.getLogger(__name__)
 
 MIN_KEYS = 129  # fewer keys: the flash kernel (a 64-token prompt: 0.12 against 0.15-0.22 ms)
 BLOCK_ROWS = 128  # query rows per block
 LONG_KEYS = 1024  # past this many keys a block takes LONG_BLOCK_ROWS rows (less score memory)
 LONG_BLOCK_ROWS = 64
+
+
+SOURCE = Path(__file__).with_name("causal_softmax.c")
+_softmax: ctypes.CDLL | None = None
+
+
+def warm_up() -> bool:
+    """Build (or load) the softmax kernel; False, logged, where it cannot be built (torch's
+    softmax then runs)."""
+    global _softmax
+    if _softmax is None:
+        try:
+            lib = load(SOURCE, {})
+        except (NativeBuildError, OSError) as exc:
+            logger.warning("bf16 prompt attention uses torch's softmax: the causal softmax "
+                           "kernel could not be built: %s", exc)
+            return False
+        lib.causal_softmax_bf16.restype = None
+        lib.causal_softmax_bf16.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3 + [
+            ctypes.c_int]
+        _softmax = lib
+    return True
+
+
+def _masked_softmax(scores: torch.Tensor, rows: int) -> torch.Tensor:
+    """Softmax over the last dim of `scores` [..., block rows, keys] (contiguous) with the last
+    `rows` keys masked above the diagonal, in place where the kernel runs."""
+    keys = scores.shape[-1]
+    if _softmax is not None and scores.dtype == torch.bfloat16 and scores.is_contiguous():
+        _softmax.causal_softmax_bf16(scores.data_ptr(), scores.data_ptr(),
+                                     scores.numel() // keys, keys, rows, torch.get_num_threads())
+        return scores
+    above = torch.ones(rows, rows, dtype=torch.bool, device=scores.device).triu(1)
+    scores[..., keys - rows:].masked_fill_(above, float("-inf"))
+    return torch.softmax(scores, dim=-1)
 
 
 def blocks_faster(num_keys: int) -> bool:
@@ -46,15 +93,13 @@ def block_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pr
     block = LONG_BLOCK_ROWS if num_keys > LONG_KEYS else BLOCK_ROWS
     qs = q.mul(scale).reshape(num_kv_heads, group, n, head_dim)
     out = torch.empty(n, num_q_heads, head_dim, dtype=q.dtype, device=q.device)
-    above = torch.ones(block, block, dtype=torch.bool, device=q.device).triu(1)
     for start in range(0, n, block):
         end = min(n, start + block)
         rows = end - start
         keys = prefix + end
         qb = qs[:, :, start:end].reshape(num_kv_heads, group * rows, head_dim)
         scores = torch.bmm(qb, k[:, :keys].transpose(1, 2)).view(num_kv_heads, group, rows, keys)
-        scores[..., keys - rows:].masked_fill_(above[:rows, :rows], float("-inf"))
-        probs = torch.softmax(scores, dim=-1).view(num_kv_heads, group * rows, keys)
+        probs = _masked_softmax(scores, rows).view(num_kv_heads, group * rows, keys)
         block_out = torch.bmm(probs, v[:, :keys]).view(num_kv_heads, group, rows, head_dim)
         out[start:end] = block_out.permute(2, 0, 1, 3).reshape(rows, num_q_heads, head_dim)
     return out
