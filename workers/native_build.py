@@ -16,12 +16,16 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 CACHE_DIR = Path.home() / ".cache" / "raydix" / "kernels"
+INCLUDE_DIR = Path(__file__).parent  # the workers' shared headers (native_math.h)
 COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-fno-math-errno",
                  "-funsafe-math-optimizations", "-ffinite-math-only")
 LINK_FLAGS = ("-shared", "-fopenmp")
@@ -40,17 +44,29 @@ def compiler() -> str:
     return path
 
 
-def load(source: Path, defines: dict[str, int], cache_dir: Path | None = None) -> ctypes.CDLL:
-    """The library built from `source` with these `-D` defines, compiled on first use."""
-    return ctypes.CDLL(str(build(source, defines, cache_dir)))
+def load(source: Path, defines: dict[str, int],
+         functions: Mapping[str, Sequence[type[Any]]] | None = None,
+         cache_dir: Path | None = None) -> ctypes.CDLL:
+    """The library built from `source` with these `-D` defines, compiled on first use; each of
+    `functions` (name: ctypes argument types) declared as returning nothing."""
+    lib = ctypes.CDLL(str(build(source, defines, cache_dir)))
+    for name, argtypes in (functions or {}).items():
+        fn = getattr(lib, name)
+        fn.restype = None
+        fn.argtypes = list(argtypes)
+    return lib
 
 
 def build(source: Path, defines: dict[str, int], cache_dir: Path | None = None) -> Path:
     """Path of the shared library built from `source`, compiled unless already on disk."""
     cc = compiler()
-    args = tuple(f"-D{name}={value}" for name, value in sorted(defines.items())) + COMPILE_FLAGS
+    args = (tuple(f"-D{name}={value}" for name, value in sorted(defines.items()))
+            + COMPILE_FLAGS + (f"-I{INCLUDE_DIR}",))
+    text = source.read_text()
+    headers = [(INCLUDE_DIR / name).read_text()
+               for name in re.findall(r'^#include "([^"]+)"', text, re.MULTILINE)]
     key = hashlib.sha256("\0".join(
-        (source.read_text(), *args, *LINK_FLAGS, cc, _cc_version(cc), _cpu())).encode())
+        (text, *headers, *args, *LINK_FLAGS, cc, _cc_version(cc), _cpu())).encode())
     folder = cache_dir or Path(os.environ.get("RAYDIX_KERNEL_CACHE", CACHE_DIR))
     target = folder / f"{source.stem}-{key.hexdigest()[:20]}.so"
     if target.exists():

@@ -48,16 +48,13 @@ def warm_up() -> bool:
     softmax then runs)."""
     global _softmax
     if _softmax is None:
+        argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3 + [ctypes.c_int]
         try:
-            lib = load(SOURCE, {})
+            _softmax = load(SOURCE, {}, {"causal_softmax_bf16": argtypes})
         except (NativeBuildError, OSError) as exc:
             logger.warning("bf16 prompt attention uses torch's softmax: the causal softmax "
                            "kernel could not be built: %s", exc)
             return False
-        lib.causal_softmax_bf16.restype = None
-        lib.causal_softmax_bf16.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3 + [
-            ctypes.c_int]
-        _softmax = lib
     return True
 
 

@@ -9,41 +9,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#define INLINE static inline __attribute__((always_inline))
-
-/* e^x for x <= 0, to about 2e-7 relative (as in paged_decode.c) */
-INLINE float exp_nonpos(float x) {
-  x = x < -87.f ? -87.f : x;
-  const float t = x * 1.44269504088896341f;
-  int32_t i = (int32_t)t;
-  i -= (float)i > t;
-  const float f = t - (float)i;
-  float p = 1.535336188319500e-4f;
-  p = p * f + 1.339887440266574e-3f;
-  p = p * f + 9.618437357674640e-3f;
-  p = p * f + 5.550332471162809e-2f;
-  p = p * f + 2.402264791363012e-1f;
-  p = p * f + 6.931472028550421e-1f;
-  p = p * f + 1.0f;
-  const uint32_t bits = (uint32_t)(i + 127) << 23;
-  float scale;
-  memcpy(&scale, &bits, 4);
-  return p * scale;
-}
-
-INLINE float from_bf16(uint16_t h) {
-  const uint32_t bits = (uint32_t)h << 16;
-  float f;
-  memcpy(&f, &bits, 4);
-  return f;
-}
-
-INLINE uint16_t to_bf16(float f) {
-  uint32_t u;
-  memcpy(&u, &f, 4);
-  u = (u & 0x7fffffffu) > 0x7f800000u ? (u | 0x400000u) : u + 0x7fffu + ((u >> 16) & 1u);
-  return (uint16_t)(u >> 16);
-}
+#include "native_math.h"
 
 /* scores and probs: [num_rows, keys] bf16 (may be the same buffer); num_rows a multiple of
    rows (the block's rows, repeated per head) */

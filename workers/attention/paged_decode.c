@@ -16,35 +16,13 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "native_math.h"
+
 #if !defined(HEAD_DIM) || !defined(GROUP)
 #error "HEAD_DIM and GROUP must be defined"
 #endif
 
 #define BLOCK 32
-#define INLINE static inline __attribute__((always_inline))
-
-/* e^x for x <= 0 (a score less the running maximum), to about 2e-7 relative: 2^(x log2 e)
-   split into an integer part, put into the exponent bits, and a degree-6 polynomial for the
-   fraction. Plain arithmetic, so the loops that call it are vectorised. */
-INLINE float exp_nonpos(float x) {
-  x = x < -87.f ? -87.f : x;
-  const float t = x * 1.44269504088896341f;
-  int32_t i = (int32_t)t; /* toward zero; t <= 0, so one less where that is above t */
-  i -= (float)i > t;
-  const float f = t - (float)i; /* [0, 1) */
-  float p = 1.535336188319500e-4f;
-  p = p * f + 1.339887440266574e-3f;
-  p = p * f + 9.618437357674640e-3f;
-  p = p * f + 5.550332471162809e-2f;
-  p = p * f + 2.402264791363012e-1f;
-  p = p * f + 6.931472028550421e-1f;
-  p = p * f + 1.0f;
-  const uint32_t bits = (uint32_t)(i + 127) << 23;
-  float scale;
-  memcpy(&scale, &bits, 4);
-  return p * scale;
-}
-
 INLINE void prefetch_row(const void *base, int64_t offset, int64_t bytes) {
   for (int64_t line = 0; line < bytes; line += 64)
     __builtin_prefetch((const char *)base + offset + line, 0, 3);
@@ -53,10 +31,7 @@ INLINE void prefetch_row(const void *base, int64_t offset, int64_t bytes) {
 INLINE void load_row(float *dst, const void *base, int64_t row, const int bf16) {
   if (bf16) {
     const uint16_t *src = (const uint16_t *)base + row * HEAD_DIM;
-    for (int d = 0; d < HEAD_DIM; d++) {
-      const uint32_t bits = (uint32_t)src[d] << 16;
-      memcpy(dst + d, &bits, 4);
-    }
+    for (int d = 0; d < HEAD_DIM; d++) dst[d] = from_bf16(src[d]);
   } else {
     memcpy(dst, (const float *)base + row * HEAD_DIM, HEAD_DIM * sizeof(float));
   }
@@ -65,13 +40,7 @@ INLINE void load_row(float *dst, const void *base, int64_t row, const int bf16) 
 INLINE void store_row(void *base, int64_t row, const float *src, float mul, const int bf16) {
   if (bf16) {
     uint16_t *dst = (uint16_t *)base + row * HEAD_DIM;
-    for (int d = 0; d < HEAD_DIM; d++) {
-      const float f = src[d] * mul;
-      uint32_t u;
-      memcpy(&u, &f, 4);
-      u = (u & 0x7fffffffu) > 0x7f800000u ? (u | 0x400000u) : u + 0x7fffu + ((u >> 16) & 1u);
-      dst[d] = (uint16_t)(u >> 16);
-    }
+    for (int d = 0; d < HEAD_DIM; d++) dst[d] = to_bf16(src[d] * mul);
   } else {
     float *dst = (float *)base + row * HEAD_DIM;
     for (int d = 0; d < HEAD_DIM; d++) dst[d] = src[d] * mul;

@@ -58,12 +58,9 @@ def paged_decode_reference(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Te
 def _library(head_dim: int, group: int) -> ctypes.CDLL:
     lib = _libraries.get((head_dim, group))
     if lib is None:
-        lib = load(SOURCE, {"HEAD_DIM": head_dim, "GROUP": group})
-        for name in DTYPES.values():
-            fn = getattr(lib, name)
-            fn.restype = None
-            fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 3 + [ctypes.c_float,
-                                                                           ctypes.c_int]
+        argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 3 + [ctypes.c_float, ctypes.c_int]
+        lib = load(SOURCE, {"HEAD_DIM": head_dim, "GROUP": group},
+                   dict.fromkeys(DTYPES.values(), argtypes))
         _libraries[(head_dim, group)] = lib
     return lib
 

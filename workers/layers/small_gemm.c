@@ -27,20 +27,19 @@ int small_gemm_native(void) {
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
 
+#include "native_math.h"
+
 #define NB 4        /* weight rows per block, rows kernel */
 #define NT 8        /* weight rows per block, lanes kernel */
 #define ROWS_MAX 4  /* the rows kernel takes up to this many input rows */
-#define INLINE static inline __attribute__((always_inline))
-
-INLINE uint16_t to_bf16(float f) {
-  uint32_t u;
-  memcpy(&u, &f, 4);
-  u = (u & 0x7fffffffu) > 0x7f800000u ? (u | 0x400000u) : u + 0x7fffu + ((u >> 16) & 1u);
-  return (uint16_t)(u >> 16);
+/* the `count` weight rows of a block from row n0, the first nn of them real: the others repeat
+   row n0 (their results are not written) */
+INLINE void block_rows(const uint16_t **rows, const uint16_t *w, int64_t n0, int nn, int count,
+                       int64_t K) {
+  for (int j = 0; j < count; j++) rows[j] = w + (n0 + (j < nn ? j : 0)) * K;
 }
 
-/* MB input rows from m0 against the NB weight rows at w0 (the first nn of them real: the rest
-   repeat w0's first row and are not written) */
+/* MB input rows from m0 against a block's NB weight rows (`block_rows`) */
 #define ROWS(MB)                                                                               \
   INLINE void rows##MB(const uint16_t *x, const uint16_t *const *wr, uint16_t *y, int64_t m0,  \
                        int64_t n0, int nn, int64_t N, int64_t K) {                             \
@@ -83,7 +82,7 @@ static void gemm_rows(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t
     const int64_t n0 = b * NB;
     const int nn = (int)(N - n0 < NB ? N - n0 : NB);
     const uint16_t *wr[NB];
-    for (int j = 0; j < NB; j++) wr[j] = w + (n0 + (j < nn ? j : 0)) * K;
+    block_rows(wr, w, n0, nn, NB, K);
     if (b + 1 < blocks) /* the next block, while this one computes */
       for (int64_t line = 0; line < NB * K * 2; line += 64)
         __builtin_prefetch((const char *)(w + (n0 + NB) * K) + line, 0, 0);
@@ -119,7 +118,7 @@ static void gemm_lanes(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_
     const int64_t n0 = b * NT;
     const int nn = (int)(N - n0 < NT ? N - n0 : NT);
     const uint16_t *wr[NT];
-    for (int j = 0; j < NT; j++) wr[j] = w + (n0 + (j < nn ? j : 0)) * K;
+    block_rows(wr, w, n0, nn, NT, K);
     for (int64_t c = 0; c < chunks; c++) {
       __m512 acc[NT];
       for (int j = 0; j < NT; j++) acc[j] = _mm512_setzero_ps();

@@ -38,8 +38,9 @@ def warm_up() -> bool:
     global _library
     if _library is not None:
         return True
+    argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     try:
-        lib = load(SOURCE, {})
+        lib = load(SOURCE, {}, {"small_gemm_bf16": argtypes})
     except (NativeBuildError, OSError) as exc:
         logger.warning("bf16 products of a few rows use torch's GEMM on the plain weights: the "
                        "small-GEMM kernel could not be built: %s", exc)
@@ -47,8 +48,6 @@ def warm_up() -> bool:
     if not lib.small_gemm_native():
         logger.info("bf16 products of a few rows use torch's GEMM: this CPU has no AVX-512 BF16")
         return False
-    lib.small_gemm_bf16.restype = None
-    lib.small_gemm_bf16.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     _library = lib
     return True
 
