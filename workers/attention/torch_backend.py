@@ -212,8 +212,6 @@ class TorchAttentionBackend(AttentionBackend):
         return torch.matmul(probs, v).view(num_req, num_q_heads, head_dim)
 
 
-
-
 MIN_SPLIT_SAVING = 0.15  # split a decode batch in two when that gathers 15% fewer keys
 
 
