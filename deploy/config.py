@@ -256,7 +256,8 @@ class AppConfig(BaseModel):
     )
     disable_cpu_compiled_attention: bool = Field(
         False, description="on CPU: decode attention always reads dense K/V copies, never the "
-        "paged kernel compiled at start (seconds in each replica even from inductor's cache)"
+        "paged kernel built at start (a C file: under a second, then loaded from "
+        "~/.cache/raydix/kernels)"
     )
     debug_cache_audit: bool = Field(
         False, description="debug: audit each replica's KV cache in stats calls made while it is "

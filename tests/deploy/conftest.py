@@ -33,8 +33,8 @@ NO_DECODE_GRAPH = True
 def uncompiled_app(config: AppConfig, engine_factory: EngineFactory = uncompiled.uncompiled_engine
                    ) -> Application:
     """The app for `config`, its engine replicas compiling nothing at start (tests/uncompiled.py:
-    neither the CPU decode graph nor the compiled decode attention, 6-7 s in each replica even
-    from inductor's cache). What these modules check does not depend on how a replica computes
+    neither the CPU decode graph, 6-7 s in each replica even from inductor's cache, nor the
+    paged decode kernel). What these modules check does not depend on how a replica computes
     decode attention; tests/workers checks the compiled code, and test_cli.py's `raydix serve`
     test serves with both."""
     from ray import cloudpickle

@@ -236,7 +236,7 @@ def test_serve_answers_and_stops_cleanly_on_a_signal(smollm2: Path, signum: int,
     the process exits 0, and nothing it started (Ray's processes included) is left. Served
     by the ingress replica itself (the default) and through Serve's proxy; SIGTERM with the
     former is `test_direct_ingress.py`'s. The SIGINT start keeps `raydix serve`'s defaults
-    on CPU (the compiled decode attention and the CPU decode graph)."""
+    on CPU (the paged decode kernel and the CPU decode graph)."""
     port = free_port()
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "HF_HUB_OFFLINE": "1"}
     proc = subprocess.Popen(
@@ -258,10 +258,10 @@ def test_serve_answers_and_stops_cleanly_on_a_signal(smollm2: Path, signum: int,
         else:
             pytest.fail(f"raydix serve exited with {proc.wait()}")
         assert any("KV pool 2,048 tokens" in line for line in lines), "".join(lines)[-3000:]
-        # the defaults on CPU: decode attention compiled at start, and a lone decode token runs
-        # the compiled graph (the other serving tests turn both off)
+        # the defaults on CPU: the paged decode kernel built at start, and a lone decode token
+        # runs the compiled graph (the other serving tests turn both off)
         compiled = not flags
-        for started in ("decode attention compiled in", "CPU decode graph ready in"):
+        for started in ("paged decode kernel for", "CPU decode graph ready in"):
             assert any(started in line for line in lines) == compiled, "".join(lines)[-3000:]
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
                                max_retries=0)

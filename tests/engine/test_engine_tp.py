@@ -26,9 +26,9 @@ pytestmark = pytest.mark.ray
 
 
 def _engine(model: Path, tp_size: int, **sched: object) -> Engine:
-    # the compiled decode attention is not built at a rank's start (seconds in each of the 6
-    # rank processes): decodes take the dense copies here; the kernel's own tests are in
-    # tests/workers (test_paged_decode.py, test_cpu_speed_paths.py)
+    # the paged decode kernel is not built at a rank's start: decodes take the dense copies
+    # here; the kernel's own tests are in tests/workers (test_paged_decode.py,
+    # test_cpu_speed_paths.py)
     worker = WorkerConfig(model_path=str(model), tp_size=tp_size, max_total_tokens=4096,
                           cpu_compiled_attention=False)
     config = EngineConfig.build(

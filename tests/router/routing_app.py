@@ -45,8 +45,8 @@ def recording_factory(log_dir: str):  # type: ignore[no-untyped-def]
         from ray import serve
 
         replica_id = serve.get_replica_context().replica_id.unique_id
-        # nothing compiled at start (the CPU decode graph and the compiled decode attention,
-        # ~8 s a replica here, and the module starts 11): where a request runs does not depend
+        # nothing compiled at start (the CPU decode graph, ~8 s a replica here, and the module
+        # starts 11; nor the paged decode kernel): where a request runs does not depend
         # on how a replica computes it (tests/deploy/test_cli.py serves with both)
         config = replace(config, worker=replace(config.worker, cpu_decode_graph=False,
                                                 cpu_compiled_attention=False))
