@@ -183,3 +183,23 @@ def test_inputs_it_does_not_serve_take_the_plain_ops() -> None:
     assert got.dtype == torch.float16
     torch.testing.assert_close(got.double(), _per_request(*half, slots, lens), atol=2e-3,
                                rtol=2e-3)
+
+
+def test_inputs_out_of_contract_are_computed_right_or_not_by_the_kernel() -> None:
+    """The operator never reads memory its inputs do not describe: a length past the slots'
+    width counts the width (as the reference does), a pool of another dtype than the queries
+    takes the reference (the kernel would read its bytes as the queries' dtype)."""
+    kernel = _kernel(HK, D, G, torch.float32)
+    q, k_buf, v_buf, slots, lens = _case(3, 40, torch.float32, 6)
+    longer = lens.clone()
+    longer[1] = 1000
+    full = lens.clone()
+    full[1] = slots.shape[1]
+    torch.testing.assert_close(kernel(q, k_buf, v_buf, slots, longer),
+                               kernel(q, k_buf, v_buf, slots, full), atol=0, rtol=0)
+    torch.testing.assert_close(kernel(q, k_buf, v_buf, slots, full).double(),
+                               _per_request(q, k_buf, v_buf, slots, full), atol=1e-5, rtol=1e-5)
+    qb = q.bfloat16()
+    got = kernel(qb, k_buf, v_buf, slots, lens)  # bf16 queries, float32 pool
+    torch.testing.assert_close(got.double(), _per_request(qb.float(), k_buf, v_buf, slots, lens),
+                               atol=2e-2, rtol=2e-2)

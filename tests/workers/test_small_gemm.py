@@ -89,3 +89,12 @@ def test_linear_takes_it_for_a_few_bf16_rows_only() -> None:
         linear(x, w, None)
     calls = [e.name for e in prof.events() if e.name == "raydix::small_gemm"]
     assert len(calls) == 1
+
+
+def test_the_operator_never_runs_the_kernel_on_what_it_does_not_serve() -> None:
+    x, w = _case(3, 40, 64, 9)
+    with pytest.raises(RuntimeError):  # torch's product names the shapes
+        small_gemm.small_gemm(x, w[:, :32].contiguous())
+    got = small_gemm.small_gemm(x.float(), w.float())  # float32: torch's product
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, x.float() @ w.float().T)

@@ -62,7 +62,8 @@ def _masked_softmax(scores: torch.Tensor, rows: int) -> torch.Tensor:
     """Softmax over the last dim of `scores` [..., block rows, keys] (contiguous) with the last
     `rows` keys masked above the diagonal, in place where the kernel runs."""
     keys = scores.shape[-1]
-    if _softmax is not None and scores.dtype == torch.bfloat16 and scores.is_contiguous():
+    if (_softmax is not None and scores.dtype == torch.bfloat16 and scores.is_contiguous()
+            and rows <= keys and scores.device.type == "cpu"):
         _softmax.causal_softmax_bf16(scores.data_ptr(), scores.data_ptr(),
                                      scores.numel() // keys, keys, rows, torch.get_num_threads())
         return scores

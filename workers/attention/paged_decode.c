@@ -110,7 +110,7 @@ INLINE void attend(const void *q, const void *k_buf, const void *v_buf, const in
 }
 
 /* q and out `[batch, num_kv_heads, GROUP, HEAD_DIM]`; slots `[batch, max_len]`, of which the
-   first lens[b] are request b's (lens[b] >= 1); all contiguous */
+   first lens[b] are request b's (1 <= lens[b]; past max_len: max_len); all contiguous */
 #define ENTRY(NAME, BF16)                                                                      \
   void NAME(const void *q, const void *k_buf, const void *v_buf, const int64_t *slots,         \
             const int64_t *lens, void *out, int64_t batch, int64_t max_len,                    \
@@ -118,7 +118,8 @@ INLINE void attend(const void *q, const void *k_buf, const void *v_buf, const in
     _Pragma("omp parallel for schedule(dynamic, 1) num_threads(threads)")                     \
     for (int64_t item = 0; item < batch * num_kv_heads; item++) {                              \
       const int64_t b = item / num_kv_heads;                                                   \
-      attend(q, k_buf, v_buf, slots + b * max_len, lens[b], out, b, item % num_kv_heads,       \
+      const int64_t len = lens[b] < max_len ? lens[b] : max_len;                               \
+      attend(q, k_buf, v_buf, slots + b * max_len, len, out, b, item % num_kv_heads,           \
              num_kv_heads, scale, BF16);                                                       \
     }                                                                                          \
   }

@@ -68,8 +68,10 @@ def _library(head_dim: int, group: int) -> ctypes.CDLL:
 @torch.library.custom_op("raydix::paged_decode", mutates_args=())
 def paged_decode(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, slots: torch.Tensor,
                  lens: torch.Tensor) -> torch.Tensor:
-    """`paged_decode_reference`'s result, computed by the kernel on the pages in place (q and
-    the buffers bf16 or float32, of one dtype). Needs `supports(...)` to hold."""
+    """`paged_decode_reference`'s result, computed by the kernel on the pages in place where it
+    takes these inputs (`_takes`), by the reference otherwise."""
+    if not _takes(q, k_buf, v_buf, slots, lens):
+        return paged_decode_reference(q, k_buf, v_buf, slots, lens)
     batch, num_kv_heads, group, head_dim = q.shape
     q, slots, lens = q.contiguous(), slots.contiguous(), lens.contiguous()
     out = torch.empty_like(q)
@@ -88,14 +90,23 @@ def _(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, slots: torch.Te
 
 def supports(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, slots: torch.Tensor,
              lens: torch.Tensor) -> bool:
-    """Whether the kernel serves these inputs: built for their head sizes, one supported dtype,
-    the buffers contiguous `[num_slots, Hk, D]`, int64 slots and lengths on the CPU."""
-    _, num_kv_heads, group, head_dim = q.shape
-    return ((head_dim, group) in _libraries and q.dtype in DTYPES and q.device.type == "cpu"
+    """Whether the kernel serves these inputs: built for their head sizes and takes them."""
+    _, _, group, head_dim = q.shape
+    return (head_dim, group) in _libraries and _takes(q, k_buf, v_buf, slots, lens)
+
+
+def _takes(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, slots: torch.Tensor,
+           lens: torch.Tensor) -> bool:
+    """q `[B, Hk, G, D]` and the buffers of one supported dtype on the CPU, the buffers
+    contiguous `[num_slots, Hk, D]`, slots `[B, L]` and lengths `[B]` int64."""
+    batch, num_kv_heads, _, head_dim = q.shape
+    return (q.dtype in DTYPES and q.device.type == "cpu"
+            and k_buf.device.type == v_buf.device.type == "cpu"
             and k_buf.dtype == v_buf.dtype == q.dtype
             and k_buf.shape[1:] == v_buf.shape[1:] == (num_kv_heads, head_dim)
             and k_buf.is_contiguous() and v_buf.is_contiguous()
-            and slots.dtype == lens.dtype == torch.int64)
+            and slots.dtype == lens.dtype == torch.int64 and slots.dim() == 2
+            and slots.shape[0] == lens.shape[0] == batch)
 
 
 def attend(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, slots: torch.Tensor,

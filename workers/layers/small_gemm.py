@@ -63,10 +63,10 @@ def serves(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 @torch.library.custom_op("raydix::small_gemm", mutates_args=())
 def small_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """`x @ weight.T` (`serves(x, weight)` must hold): the kernel up to MAX_ROWS rows, torch's
-    product beyond."""
+    """`x @ weight.T`: the kernel up to MAX_ROWS rows where it `serves` them, torch's product
+    otherwise."""
     rows, out_features = x.shape[0], weight.shape[0]
-    if _library is None or rows > MAX_ROWS or rows == 0:
+    if _library is None or rows > MAX_ROWS or rows == 0 or not serves(x, weight):
         return torch.mm(x, weight.t())
     x = x.contiguous()
     y = torch.empty(rows, out_features, dtype=x.dtype)
