@@ -27,7 +27,7 @@ from .grammar import GrammarCompiler, GrammarTable
 from .host_kv_pool import check_copies, make_host_pool
 from .host_memory import keep_freed_memory
 from .kv_pool import KVPool, KVPoolConfig, MLAKVPool
-from .layers import native_ops, small_gemm
+from .layers import small_gemm
 from .layers.embedding import ParallelLMHead
 from .layers.fused import fused_ops_for
 from .layers.packed import (
@@ -84,8 +84,6 @@ class ModelRunner:
         # flashinfer's kernels beside flashinfer's attention, plain torch otherwise
         self.fused_ops = fused_ops_for(
             "fused" if config.attention_backend == "flashinfer" else "torch")
-        if self.device.type == "cpu" and dtype == torch.bfloat16:
-            self.fused_ops = native_ops.warm_up() or self.fused_ops  # eager steps in C
         self.model.use_fused_ops(self.fused_ops)
         self.decode_graph: CpuDecodeGraph | None = None
         use_graph = config.cpu_decode_graph and self.device.type == "cpu" and wanted(
