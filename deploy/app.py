@@ -140,7 +140,8 @@ def replica_settings(config: AppConfig, use_gpu: bool, cpu_threads: int | None) 
                            router_events=config.router_mode == "exact",
                            router_approx_tokens=config.router_approx_tokens,
                            debug_cache_audit=config.debug_cache_audit,
-                           cpu_threads=cpu_threads)
+                           cpu_threads=cpu_threads,
+                           engine_process=not config.disable_engine_process)
 
 
 def replica_shortfall(config: AppConfig) -> Shortfall | None:

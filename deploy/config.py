@@ -249,6 +249,12 @@ class AppConfig(BaseModel):
         "itself (direct ingress: one hop less per stream chunk; used with a local Ray and one "
         "ingress replica, see deploy/direct_ingress.py)"
     )
+    disable_engine_process: bool = Field(
+        False, description="on CPU with tp 1: step each replica's engine on a thread of the "
+        "replica instead of in a process of its own (the default, as vLLM's engine core: the "
+        "step no longer shares the GIL with the event loop that streams the tokens; see "
+        "engine/engine_process.py)"
+    )
     disable_cpu_decode_graph: bool = Field(
         False, description="on CPU: run a lone decode token eagerly, with oneDNN-packed weights, "
         "instead of through the compiled one-token graph (plain weights; compiled at the first "

@@ -29,9 +29,12 @@ class ReplicaFacts(NamedTuple):
     max_running_requests: int
     start_s: float  # model load, KV pool and warm-up
     log_lines: tuple[str, ...]  # raydix's own INFO lines during start-up
+    engine_pid: int | None = None  # the engine's own process (None: it steps in the replica)
 
     def describe(self) -> list[str]:
         threads = "" if self.cpu_threads is None else f", {self.cpu_threads} CPU thread(s)"
+        if self.engine_pid is not None:
+            threads += f" in engine process {self.engine_pid}"
         return [
             f"replica {self.replica_id}: {self.model_path} on {self.device}, tp={self.tp_size}, "
             f"dtype {self.dtype or 'per rank'}, attention {self.attention_backend}, CUDA graphs "
@@ -69,7 +72,7 @@ class StartupLog(logging.Handler):
 
 def replica_facts(replica_id: str, config: EngineConfig, dtype: str, kv_pool_tokens: int,
                   cpu_threads: int | None, start_s: float,
-                  log_lines: list[str]) -> ReplicaFacts:
+                  log_lines: list[str], engine_pid: int | None = None) -> ReplicaFacts:
     import ray
 
     num_cpus = 0.0
@@ -80,4 +83,4 @@ def replica_facts(replica_id: str, config: EngineConfig, dtype: str, kv_pool_tok
         replica_id, worker.model_path, worker.device, dtype, worker.attention_backend,
         worker.cuda_graph, worker.tp_size, cpu_threads, os.getpriority(os.PRIO_PROCESS, 0),
         num_cpus, kv_pool_tokens, config.scheduler.page_size,
-        config.scheduler.max_running_requests, start_s, tuple(log_lines))
+        config.scheduler.max_running_requests, start_s, tuple(log_lines), engine_pid)

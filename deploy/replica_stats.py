@@ -19,7 +19,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import NamedTuple, Protocol
 
-from raydix.engine.async_engine import AsyncEngine
+from raydix.engine.async_engine import EngineClient
 from raydix.engine.engine import Engine
 from raydix.engine.metrics import EngineMetrics
 
@@ -54,7 +54,7 @@ class CacheAudit:
         self.num_audits = 0
         self._audited_steps = -1
 
-    async def run_if_idle(self, engine: AsyncEngine) -> None:
+    async def run_if_idle(self, engine: EngineClient) -> None:
         if not self.enabled or engine.num_in_flight:
             return
         num_steps = engine.engine.num_steps
@@ -64,7 +64,7 @@ class CacheAudit:
             self.num_audits += 1
 
 
-def read_stats(replica_id: str, engine: AsyncEngine, audit: CacheAudit, node_id: str,
+def read_stats(replica_id: str, engine: EngineClient, audit: CacheAudit, node_id: str,
                rank_node_ids: tuple[str, ...]) -> ReplicaStats:
     cache = engine.engine.cache_stats()
     return ReplicaStats(

@@ -37,19 +37,21 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple, cast
 
 import ray
-from ray import serve
+from ray import cloudpickle, serve
 from ray.actor import ActorHandle
 from ray.serve.handle import DeploymentHandle
 
 from raydix.cache import EventBuffer, EventSink
-from raydix.engine.async_engine import MAX_WAITING_REQUESTS, AsyncEngine
+from raydix.engine.async_engine import MAX_WAITING_REQUESTS, AsyncEngine, EngineClient
 from raydix.engine.config import EngineConfig
 from raydix.engine.detokenizer import TokenDecoder
 from raydix.engine.engine import Engine
+from raydix.engine.engine_process import ProcessEngine, engine_process_pid
 from raydix.engine.executor import Executor, LocalExecutor, UnhealthyRanksError
 from raydix.engine.request import GenerationParams, RequestOutput, with_engine_ttft
 from raydix.router.actor import get_or_create_router
 from raydix.router.policy import RoutingPolicyConfig
+from raydix.router.priority import take_normal_priority
 from raydix.router.reporter import LoadReport, ReplicaReporter
 from raydix.router.state import MAX_APPROX_TOKENS
 
@@ -69,6 +71,9 @@ __all__ = ["EngineServer", "RankInfo", "ReplicaSettings", "ReplicaStats", "build
 logger = logging.getLogger(__name__)
 
 EXIT_GRACE_S = 1.0  # after its engine failed, the replica lives this long to send the errors
+# the replica's id, in its engine process's environment (an engine factory runs there, outside
+# Serve: `serve.get_replica_context()` is not available to it)
+REPLICA_ID_ENV = "RAYDIX_REPLICA_ID"
 
 
 @dataclass(frozen=True)
@@ -83,6 +88,7 @@ class ReplicaSettings:
     router_approx_tokens: int = MAX_APPROX_TOKENS  # cache_aware without events: the tree's cap
     debug_cache_audit: bool = False  # audit the KV cache manager in idle stats calls (slow)
     cpu_threads: int | None = None  # the in-process rank's threads; None: leave them be
+    engine_process: bool = False  # an in-process rank's engine steps in a child process
 
 
 EngineFactory = Callable[[EngineConfig, ReplicaSettings, EventSink | None], Engine]
@@ -172,33 +178,42 @@ class EngineServer:
             loop.call_soon_threadsafe(self._leave, f"its engine stopped: {error!r}")
 
         start = time.perf_counter()
+        self.engine: EngineClient
         with StartupLog() as startup:
+            in_process = replica_bundles(engine_config.worker.tp_size,
+                                         settings.use_gpu_bundles) is None
+            setup = None
             if settings.cpu_threads is not None:
-                was_nice = use_cpu_threads(settings.cpu_threads)
+                if settings.engine_process and in_process:  # the threads are the child's
+                    was_nice = take_normal_priority("the engine replica")
+                    setup = functools.partial(use_cpu_threads, settings.cpu_threads)
+                else:
+                    was_nice = use_cpu_threads(settings.cpu_threads)
                 if was_nice != os.getpriority(os.PRIO_PROCESS, 0):
                     logger.info("priority: nice %d -> 0", was_nice)
-            # built on the engine's loop thread, which steps it: one OpenMP team (async_engine.py)
-            self.engine = AsyncEngine(
-                functools.partial(engine_factory, engine_config, settings, events),
-                max_waiting_requests=settings.max_waiting_requests, on_error=engine_failed,
-                stream_interval=settings.stream_interval)
-        engine = self.engine.engine
-        executor = engine.executor
-        threads = None
-        if settings.cpu_threads is not None:  # the rank runs here: torch is loaded already
-            import torch
-
-            threads = torch.get_num_threads()
+            if settings.engine_process and in_process:
+                # the engine process inherits this process's priority (nice 0 by now)
+                self.engine = ProcessEngine(
+                    functools.partial(engine_factory, engine_config, settings), events, setup,
+                    max_waiting_requests=settings.max_waiting_requests, on_error=engine_failed,
+                    stream_interval=settings.stream_interval, dumps=cloudpickle.dumps,
+                    env={REPLICA_ID_ENV: self.replica_id})
+            else:
+                # built on the engine's loop thread, which steps it: one OpenMP team
+                # (async_engine.py)
+                self.engine = AsyncEngine(
+                    functools.partial(engine_factory, engine_config, settings, events),
+                    max_waiting_requests=settings.max_waiting_requests, on_error=engine_failed,
+                    stream_interval=settings.stream_interval)
+        rank = self.engine.engine.rank_facts()
         self.facts = replica_facts(
-            self.replica_id, engine_config,
-            str(executor.worker.runner.dtype) if isinstance(executor, LocalExecutor) else "",
-            executor.max_num_tokens,
-            threads,
-            time.perf_counter() - start, startup.lines)
+            self.replica_id, engine_config, rank.dtype, rank.kv_pool_tokens,
+            rank.cpu_threads if settings.cpu_threads is not None else None,
+            time.perf_counter() - start, startup.lines, engine_process_pid(self.engine))
         self.node_id = _node_id()
         self.ranks_info = tuple(
             RankInfo(self.replica_id, r.tp_rank, r.node_id or self.node_id, r.worker)
-            for r in engine.ranks())
+            for r in self.engine.engine.ranks())
         self._reporter: asyncio.Task[None] | None = None
         if stats_board is not None:
             self._reporter = loop.create_task(report_loop(self.stats, local_handle(stats_board)))
@@ -220,7 +235,7 @@ class EngineServer:
 
     async def _publish_snapshot(self) -> None:
         """The router lost track of this replica's cache: send all of it again as events."""
-        await self.engine.call(lambda engine: engine.publish_cache_snapshot())
+        await self.engine.call(Engine.publish_cache_snapshot)
 
     def _load(self) -> LoadReport:
         """Read on the event loop while the loop thread steps: counters and sizes, no locks;

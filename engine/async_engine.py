@@ -42,11 +42,14 @@ import logging
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, TypeVar, cast
+from typing import NamedTuple, Protocol, TypeVar, cast
 
-from .engine import Engine
+from .config import EngineConfig
+from .engine import CacheStats, Engine, RankFacts
 from .engine_errors import EngineDeadError, EngineOverloadedError
+from .executor import RankLocation
 from .metrics import EngineMetrics
+from .output_processor import RequestOutputProcessor
 from .request import GenerationParams, RequestOutput, merge_outputs
 from .stream_hold import StreamHold
 
@@ -85,38 +88,63 @@ class _Call:
 MAX_WAITING_REQUESTS = 256  # the default admission bound beyond the running requests
 
 
-class AsyncEngine:
-    """Runs `engine` in a daemon thread (given a function that makes it, builds it there first:
-    see the module's docstring); `generate` streams one request's outputs."""
+class EngineView(Protocol):
+    """What the event-loop side reads of an engine: the engine itself (`AsyncEngine`), or the
+    copy a `ProcessEngine` keeps of its engine process's figures."""
 
-    def __init__(self, engine: Engine | Callable[[], Engine],
-                 max_waiting_requests: int = MAX_WAITING_REQUESTS,
-                 retry_after_s: int = 1,
-                 on_error: Callable[[BaseException], None] | None = None,
-                 stream_interval: int = 1) -> None:
+    @property
+    def config(self) -> EngineConfig: ...
+
+    @property
+    def num_running(self) -> int: ...
+
+    @property
+    def num_steps(self) -> int: ...
+
+    def metrics(self) -> EngineMetrics: ...
+
+    def cache_stats(self) -> CacheStats: ...
+
+    def rank_facts(self) -> RankFacts: ...
+
+    def ranks(self) -> tuple[RankLocation, ...]: ...
+
+    def output_processor(self, prompt_ids: Sequence[int],
+                         params: GenerationParams) -> RequestOutputProcessor: ...
+
+    async def check_health_async(self) -> None: ...
+
+
+class EngineClient:
+    """The event-loop side of an engine stepped elsewhere (a thread: `AsyncEngine`; a process:
+    `ProcessEngine`): `generate` streams one request's outputs. Subclasses deliver the
+    commands (`_send`) and each request's outputs to its `_Sink`."""
+
+    engine: EngineView
+
+    def __init__(self, max_waiting_requests: int, retry_after_s: int) -> None:
         if max_waiting_requests < 0:
             raise ValueError(f"max_waiting_requests must be >= 0, got {max_waiting_requests}")
-        self._hold = StreamHold(stream_interval)  # loop thread only
-        self.engine: Engine
         self.retry_after_s = retry_after_s
         self.num_in_flight = 0  # touched on the event loop only
-        self._commands: list[_Add | _Abort | _Call] = []
-        self._wake = threading.Condition()
-        self._sinks: dict[str, _Sink] = {}  # loop thread only
+        self.max_in_flight = 0  # set once the engine is built
+        self._max_waiting_requests = max_waiting_requests
         self._stopped = False
-        self._closed = False  # the loop thread has ended; commands are answered at once
-        self._closed_reason = ""
         self._error: BaseException | None = None
-        self._on_error = on_error
-        built: concurrent.futures.Future[Engine] = concurrent.futures.Future()
-        self._thread = threading.Thread(target=self._run, args=(engine, built),
-                                        name="raydix-engine-loop", daemon=True)
-        self._thread.start()
-        self.engine = built.result()  # the engine's build error, if any, raises here
-        self.max_in_flight = (self.engine.config.scheduler.max_running_requests
-                              + max_waiting_requests)
 
-    # ----------------------------------------------------------------- event-loop side
+    def _built(self, config: EngineConfig) -> None:
+        self.max_in_flight = config.scheduler.max_running_requests + self._max_waiting_requests
+
+    @property
+    def is_alive(self) -> bool:
+        raise NotImplementedError
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        raise NotImplementedError
+
+    def _send(self, command: _Add | _Abort | _Call) -> None:
+        raise NotImplementedError
+
     async def generate(self, prompt_ids: Sequence[int], params: GenerationParams,
                        rid: str) -> AsyncIterator[list[RequestOutput]]:
         """Yield lists of outputs for request `rid` until it finishes.
@@ -189,6 +217,39 @@ class AsyncEngine:
         self._send(_Call(fn, future))
         return cast(T, await asyncio.wrap_future(future))
 
+    def _check_alive(self) -> None:
+        if self._error is not None:
+            raise EngineDeadError(f"the engine loop stopped: {self._error!r}")
+        if self._stopped:
+            raise EngineDeadError("the engine is shut down")
+
+
+class AsyncEngine(EngineClient):
+    """Runs `engine` in a daemon thread (given a function that makes it, builds it there first:
+    see the module's docstring)."""
+
+    engine: Engine
+
+    def __init__(self, engine: Engine | Callable[[], Engine],
+                 max_waiting_requests: int = MAX_WAITING_REQUESTS,
+                 retry_after_s: int = 1,
+                 on_error: Callable[[BaseException], None] | None = None,
+                 stream_interval: int = 1) -> None:
+        super().__init__(max_waiting_requests, retry_after_s)
+        self._hold = StreamHold(stream_interval)  # loop thread only
+        self._commands: list[_Add | _Abort | _Call] = []
+        self._wake = threading.Condition()
+        self._sinks: dict[str, _Sink] = {}  # loop thread only
+        self._closed = False  # the loop thread has ended; commands are answered at once
+        self._closed_reason = ""
+        self._on_error = on_error
+        built: concurrent.futures.Future[Engine] = concurrent.futures.Future()
+        self._thread = threading.Thread(target=self._run, args=(engine, built),
+                                        name="raydix-engine-loop", daemon=True)
+        self._thread.start()
+        self.engine = built.result()  # the engine's build error, if any, raises here
+        self._built(self.engine.config)
+
     @property
     def is_alive(self) -> bool:
         return self._thread.is_alive() and self._error is None
@@ -206,13 +267,7 @@ class AsyncEngine:
                 self._commands.append(command)
                 self._wake.notify()
                 return
-        _fail(command, EngineDeadError(self._closed_reason))
-
-    def _check_alive(self) -> None:
-        if self._error is not None:
-            raise EngineDeadError(f"the engine loop stopped: {self._error!r}")
-        if self._stopped:
-            raise EngineDeadError("the engine is shut down")
+        fail_command(command, EngineDeadError(self._closed_reason))
 
     # ------------------------------------------------------------------ loop-thread side
     def _run(self, engine: Engine | Callable[[], Engine],
@@ -246,10 +301,10 @@ class AsyncEngine:
             self._closed_reason = reason
             pending, self._commands = self._commands, []
         for sink in self._sinks.values():
-            _deliver(sink, EngineDeadError(reason))
+            deliver(sink, EngineDeadError(reason))
         self._sinks.clear()
         for command in pending:
-            _fail(command, EngineDeadError(reason))
+            fail_command(command, EngineDeadError(reason))
         if self._error is not None and self._on_error is not None:
             try:
                 self._on_error(self._error)
@@ -262,7 +317,7 @@ class AsyncEngine:
                 self.engine.add_request(command.prompt_ids, command.params, command.rid,
                                         process_outputs=False)
             except ValueError as e:
-                _deliver(command.sink, e)
+                deliver(command.sink, e)
                 return
             self._sinks[command.rid] = command.sink
         elif isinstance(command, _Abort):
@@ -294,21 +349,21 @@ class AsyncEngine:
                 by_loop.setdefault(sink.loop, []).append((sink.queue, due))
         for loop, items in by_loop.items():
             with contextlib.suppress(RuntimeError):  # the caller's loop is closed: nobody waits
-                loop.call_soon_threadsafe(_put_all, items)
+                loop.call_soon_threadsafe(put_all, items)
 
 
-def _put_all(items: list[tuple[asyncio.Queue[_Item], _Item]]) -> None:
+def put_all(items: list[tuple[asyncio.Queue[_Item], _Item]]) -> None:
     for queue, item in items:
         queue.put_nowait(item)
 
 
-def _deliver(sink: _Sink, item: _Item) -> None:
+def deliver(sink: _Sink, item: _Item) -> None:
     with contextlib.suppress(RuntimeError):  # the caller's event loop is closed: nobody waits
         sink.loop.call_soon_threadsafe(sink.queue.put_nowait, item)
 
 
-def _fail(command: _Add | _Abort | _Call, error: EngineDeadError) -> None:
+def fail_command(command: _Add | _Abort | _Call, error: EngineDeadError) -> None:
     if isinstance(command, _Add):
-        _deliver(command.sink, error)
+        deliver(command.sink, error)
     elif isinstance(command, _Call) and not command.future.done():
         command.future.set_exception(error)

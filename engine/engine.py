@@ -48,6 +48,14 @@ class CacheStats(NamedTuple):
     num_used_tokens: int  # slots held by running requests and protected prefixes
 
 
+class RankFacts(NamedTuple):
+    """What the replica reports of its rank (for `raydix serve`'s start-up lines)."""
+
+    dtype: str  # as an in-process rank resolved it ("" when the rank runs in another actor)
+    kv_pool_tokens: int
+    cpu_threads: int | None  # torch threads of an in-process rank; None: not in this process
+
+
 class Engine:
     def __init__(
         self,
@@ -269,6 +277,15 @@ class Engine:
     def publish_cache_snapshot(self) -> None:
         """Send the prefix cache's whole content as events again (the router lost track)."""
         self.scheduler.cache.publish_snapshot()
+
+    def rank_facts(self) -> RankFacts:
+        executor = self.executor
+        if not isinstance(executor, LocalExecutor):
+            return RankFacts("", executor.max_num_tokens, None)
+        import torch
+
+        return RankFacts(str(executor.worker.runner.dtype), executor.max_num_tokens,
+                         torch.get_num_threads())
 
     def ranks(self) -> tuple[RankLocation, ...]:
         """Where each rank runs, in rank order."""

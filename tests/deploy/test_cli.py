@@ -263,6 +263,8 @@ def test_serve_answers_and_stops_cleanly_on_a_signal(smollm2: Path, signum: int,
         compiled = not flags
         for started in ("paged decode kernel for", "CPU decode graph ready in"):
             assert any(started in line for line in lines) == compiled, "".join(lines)[-3000:]
+        # the engine steps in a process of its own (the session's processes below include it)
+        assert any("1 CPU thread(s) in engine process" in line for line in lines), lines
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
                                max_retries=0)
         out = client.completions.create(model=MODEL_NAME, prompt="The capital of France is",

@@ -124,9 +124,12 @@ def test_the_thread_setting_reaches_the_replica(server: str) -> None:
 
     handle = serve.get_deployment_handle(ENGINE_DEPLOYMENT, app_name=APP)
     facts: ReplicaFacts = handle.start_facts.remote().result(timeout_s=30)
-    assert facts.cpu_threads == 2  # torch's threads in the replica (Ray would set 1)
+    assert facts.cpu_threads == 2  # torch's threads in the engine (Ray would set 1)
     assert facts.num_cpus == 2.0  # and it reserved as many of Ray's CPUs
     assert facts.nice == 0  # Ray starts its workers at nice 15
+    # the engine steps in a process of its own (engine_process.py), at the same priority
+    assert facts.engine_pid is not None
+    assert os.getpriority(os.PRIO_PROCESS, facts.engine_pid) == 0
     assert facts.kv_pool_tokens == 2048 and facts.device == "cpu"
     assert any(line.startswith("KV pool: 2048 tokens") for line in facts.log_lines), facts
     client = openai.OpenAI(base_url=server + "/v1", api_key="none", max_retries=0)

@@ -6,6 +6,7 @@ the test module registers this module with cloudpickle by value."""
 from __future__ import annotations
 
 import asyncio
+import os
 import uuid
 from collections.abc import Sequence
 from dataclasses import replace
@@ -42,9 +43,9 @@ class RecordingEngine(Engine):
 def recording_factory(log_dir: str):  # type: ignore[no-untyped-def]
     def make(config: EngineConfig, settings: ReplicaSettings,
              event_sink: EventSink | None = None) -> Engine:
-        from ray import serve
+        from raydix.deploy.server import REPLICA_ID_ENV
 
-        replica_id = serve.get_replica_context().replica_id.unique_id
+        replica_id = os.environ[REPLICA_ID_ENV]  # it runs in the replica's engine process
         # nothing compiled at start (the CPU decode graph, ~8 s a replica here, and the module
         # starts 11; nor the paged decode kernel): where a request runs does not depend
         # on how a replica computes it (tests/deploy/test_cli.py serves with both)
