@@ -282,10 +282,8 @@ class Engine:
         executor = self.executor
         if not isinstance(executor, LocalExecutor):
             return RankFacts("", executor.max_num_tokens, None)
-        import torch
-
         return RankFacts(str(executor.worker.runner.dtype), executor.max_num_tokens,
-                         torch.get_num_threads())
+                         executor.worker.cpu_threads)
 
     def ranks(self) -> tuple[RankLocation, ...]:
         """Where each rank runs, in rank order."""

@@ -42,6 +42,13 @@ class TPWorker:
     def max_host_tokens(self) -> int:
         return self.runner.max_host_tokens
 
+    @property
+    def cpu_threads(self) -> int:
+        """torch's threads in this process (the rank's CPU work)."""
+        import torch
+
+        return torch.get_num_threads()
+
     def step(self, plan: StepPlan) -> StepResult:
         """Driving rank only: share `plan` with the followers, run it and wait for it."""
         return self.launch(plan).result()
