@@ -141,7 +141,8 @@ def replica_settings(config: AppConfig, use_gpu: bool, cpu_threads: int | None) 
                            router_approx_tokens=config.router_approx_tokens,
                            debug_cache_audit=config.debug_cache_audit,
                            cpu_threads=cpu_threads,
-                           engine_process=not config.disable_engine_process)
+                           engine_process=not config.disable_engine_process,
+                           fit_threads_to_model=config.cpu_threads is None)
 
 
 def replica_shortfall(config: AppConfig) -> Shortfall | None:

@@ -89,6 +89,7 @@ class ReplicaSettings:
     debug_cache_audit: bool = False  # audit the KV cache manager in idle stats calls (slow)
     cpu_threads: int | None = None  # the in-process rank's threads; None: leave them be
     engine_process: bool = False  # an in-process rank's engine steps in a child process
+    fit_threads_to_model: bool = False  # cpu_threads is a default: one thread for small models
 
 
 EngineFactory = Callable[[EngineConfig, ReplicaSettings, EventSink | None], Engine]
@@ -184,11 +185,12 @@ class EngineServer:
                                          settings.use_gpu_bundles) is None
             setup = None
             if settings.cpu_threads is not None:
+                model = engine_config.worker.model_path if settings.fit_threads_to_model else None
                 if settings.engine_process and in_process:  # the threads are the child's
                     was_nice = take_normal_priority("the engine replica")
-                    setup = functools.partial(use_cpu_threads, settings.cpu_threads)
+                    setup = functools.partial(use_cpu_threads, settings.cpu_threads, model)
                 else:
-                    was_nice = use_cpu_threads(settings.cpu_threads)
+                    was_nice = use_cpu_threads(settings.cpu_threads, model)
                 if was_nice != os.getpriority(os.PRIO_PROCESS, 0):
                     logger.info("priority: nice %d -> 0", was_nice)
             if settings.engine_process and in_process:

@@ -4,6 +4,7 @@ its rank's torch work (loading, warming up, stepping) all happens on one thread.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import threading
 from collections.abc import Iterator
@@ -14,7 +15,13 @@ import pytest
 
 from raydix.deploy.app import replica_cpu_threads
 from raydix.deploy.config import AppConfig
-from raydix.deploy.cpu_threads import THREADS_ON_SMALL_MACHINES, default_cpu_threads
+from raydix.deploy.cpu_threads import (
+    SMALL_LAYER_WEIGHTS,
+    THREADS_ON_SMALL_MACHINES,
+    default_cpu_threads,
+    layer_weights,
+    threads_for_model,
+)
 from raydix.deploy.replica_facts import ReplicaFacts
 from raydix.deploy.server import EngineServer, ReplicaSettings
 from raydix.engine.async_engine import AsyncEngine
@@ -24,6 +31,7 @@ from raydix.engine.executor import LocalExecutor
 from raydix.engine.request import GenerationParams
 from raydix.workers.config import WorkerConfig
 from raydix.workers.step import StepPlan, StepResult
+from tests import uncompiled
 from tests.serve_apps import delete_apps
 
 from .conftest import MODEL_NAME, NO_DECODE_GRAPH, ServeCluster, uncompiled_app
@@ -101,6 +109,52 @@ def test_an_engine_that_fails_to_build_raises_from_the_constructor() -> None:
     with pytest.raises(ValueError, match="no such model"):
         AsyncEngine(broken)
     assert loop_threads() == before  # its loop thread ended
+
+
+def test_a_small_model_computes_on_one_thread_by_default(tiny_llama: Path, smollm2: Path,
+                                                        caplog: pytest.LogCaptureFixture) -> None:
+    """A layer of the tiny model (hidden 64) is too small to split: a second thread would only
+    spin beside the step on the core the stream needs. The default model keeps its threads."""
+    from raydix.workers.config import ModelConfig
+
+    assert layer_weights(ModelConfig.from_folder(tiny_llama)) < SMALL_LAYER_WEIGHTS
+    assert layer_weights(ModelConfig.from_folder(smollm2)) > 3 * SMALL_LAYER_WEIGHTS
+    with caplog.at_level(logging.INFO, logger="raydix"):
+        assert threads_for_model(2, str(tiny_llama)) == 1
+    assert any("CPU threads: 1 of 2" in r.getMessage() for r in caplog.records)
+    assert threads_for_model(2, str(smollm2)) == 2
+    assert threads_for_model(1, str(tiny_llama)) == 1
+
+
+def test_the_engine_process_takes_the_threads_and_ends_with_the_replica(tiny_llama: Path) -> None:
+    """With `engine_process` the engine steps in a child process (engine_process.py): the
+    thread setting (here the default, fitted to the small model) applies there, its start-up
+    lines reach the replica's facts, and it ends when the replica shuts its engine down."""
+    config = uncompiled.uncompiled(EngineConfig.build(
+        WorkerConfig(model_path=str(tiny_llama), max_total_tokens=2048),
+        SchedulerConfig(max_running_requests=4, max_context_len=256)))
+    settings = ReplicaSettings(cpu_threads=2, fit_threads_to_model=True, engine_process=True)
+
+    async def run() -> tuple[ReplicaFacts, list[int], int]:
+        server = EngineServer(config, settings, engine_factory=uncompiled.uncompiled_engine)
+        try:
+            tokens = []
+            params = GenerationParams(max_new_tokens=6, ignore_eos=True)
+            async for outputs in server.generate([5, 6, 7, 8], params, "r"):
+                tokens += [t for out in outputs for t in out.new_token_ids]
+            stats = await server.stats()
+            assert stats.kv_capacity == 2048 and stats.metrics.num_generated_tokens == 6
+            return server.facts, tokens, os.getpid()
+        finally:
+            server.engine.shutdown()
+
+    facts, tokens, here = asyncio.run(run())
+    assert len(tokens) == 6
+    assert facts.engine_pid is not None and facts.engine_pid != here
+    assert facts.cpu_threads == 1  # fitted to the model, in the engine process
+    assert any(line.startswith("CPU threads: 1 of 2") for line in facts.log_lines), facts
+    assert any(line.startswith("KV pool: 2048 tokens") for line in facts.log_lines), facts
+    assert not Path(f"/proc/{facts.engine_pid}").exists()
 
 
 @pytest.fixture(scope="module")
