@@ -5,7 +5,11 @@ one GPU bundle per rank, STRICT_PACK, and the ranks' worker actors go into bundl
 machine without GPUs a replica with tp 1 runs its one rank in-process (a `LocalExecutor`, no
 placement group); with tp > 1 the ranks take one CPU bundle each.
 
-The engine itself comes from an `EngineFactory`, so tests can serve a different engine.
+The engine itself comes from an `EngineFactory`, so tests can serve a different engine. With
+`engine_process` (the app's default), a replica whose rank would run in its own process on the
+CPU runs the engine in a child process instead (`raydix.engine.engine_process`): the factory is
+sent there by cloudpickle and runs outside Serve (the replica's id is in its environment as
+`RAYDIX_REPLICA_ID`), the thread setting applies there, and the replica streams the outputs.
 
 With the cache-aware router (`routing` set), a `ReplicaReporter` task on the replica's event loop
 sends the replica's load to the application's router actor (made here by the first replica, so it
@@ -181,19 +185,21 @@ class EngineServer:
         start = time.perf_counter()
         self.engine: EngineClient
         with StartupLog() as startup:
-            in_process = replica_bundles(engine_config.worker.tp_size,
-                                         settings.use_gpu_bundles) is None
+            # a rank that would run in this process, on the CPU, runs in the engine process
+            own_process = (settings.engine_process and engine_config.worker.device == "cpu"
+                           and replica_bundles(engine_config.worker.tp_size,
+                                               settings.use_gpu_bundles) is None)
             setup = None
             if settings.cpu_threads is not None:
                 model = engine_config.worker.model_path if settings.fit_threads_to_model else None
-                if settings.engine_process and in_process:  # the threads are the child's
+                if own_process:  # the threads are the child's
                     was_nice = take_normal_priority("the engine replica")
                     setup = functools.partial(use_cpu_threads, settings.cpu_threads, model)
                 else:
                     was_nice = use_cpu_threads(settings.cpu_threads, model)
                 if was_nice != os.getpriority(os.PRIO_PROCESS, 0):
                     logger.info("priority: nice %d -> 0", was_nice)
-            if settings.engine_process and in_process:
+            if own_process:
                 # the engine process inherits this process's priority (nice 0 by now)
                 self.engine = ProcessEngine(
                     functools.partial(engine_factory, engine_config, settings), events, setup,
