@@ -156,6 +156,8 @@ def _run(data: st.DataObject, page_size: int, write_policy: str) -> None:
             idle = [r for r in running if r not in busy]
             if op == "admit" and len(running) < config.max_running_requests:
                 tokens = data.draw(prompts(page_size), label="prompt")
+                if len(tokens) > m.capacity:  # the engine refuses it at admission: it could
+                    continue  # never hold its K/V (the allocator raises for such a chunk)
                 match = m.match_prefix(tokens)
                 mirror.apply(buffer)
                 device_len, host_len = mirror.longest(tokens)
