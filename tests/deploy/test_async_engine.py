@@ -9,7 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from raydix.engine.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError
+from raydix.engine.async_engine import (
+    AsyncEngine,
+    EngineClient,
+    EngineDeadError,
+    EngineOverloadedError,
+)
 from raydix.engine.config import EngineConfig, SchedulerConfig
 from raydix.engine.engine import Engine
 from raydix.engine.request import FinishReason, GenerationParams, RequestOutput
@@ -34,7 +39,7 @@ def async_engine(tiny_llama: Path) -> Iterator[AsyncEngine]:
     engine.shutdown()
 
 
-async def _tokens(engine: AsyncEngine, prompt: list[int], rid: str,
+async def _tokens(engine: EngineClient, prompt: list[int], rid: str,
                   params: GenerationParams = PARAMS) -> tuple[list[int], FinishReason | None]:
     tokens: list[int] = []
     reason = None

@@ -29,10 +29,9 @@ from raydix.engine.engine_process import ProcessEngine
 from raydix.engine.executor import UnhealthyRanksError
 from raydix.engine.request import FinishReason, GenerationParams, RequestOutput
 from raydix.workers.config import WorkerConfig
+from tests.deploy.test_async_engine import PARAMS, PROMPTS, _tokens
 
-PARAMS = GenerationParams(max_new_tokens=12, ignore_eos=True)
 LONG = GenerationParams(max_new_tokens=400, ignore_eos=True)
-PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [5, 6, 7, 12, 13], [100, 200, 300, 400, 500]]
 
 
 # ------------------------------------------------------- factories (module-level: they pickle)
@@ -90,18 +89,6 @@ def _gone(pid: int, within_s: float = 10.0) -> bool:
             return True
         time.sleep(0.05)
     return False
-
-
-async def _tokens(engine: ProcessEngine, prompt: list[int], rid: str,
-                  params: GenerationParams = PARAMS) -> tuple[list[int], FinishReason | None]:
-    tokens: list[int] = []
-    reason = None
-    async for outputs in engine.generate(prompt, params, rid):
-        for out in outputs:
-            assert out.rid == rid
-            tokens += out.new_token_ids
-            reason = out.finish_reason or reason
-    return tokens, reason
 
 
 @pytest.fixture
