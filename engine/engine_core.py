@@ -15,10 +15,11 @@ must be importable here). Then:
   raydix's log records, and ``("dead", reason)`` when a step raised.
 
 The engine's figures (`EngineState`) travel with a step's outputs at most every
-`STATE_INTERVAL_S`, and always when the engine has gone idle, so what the replica reads of them
-is never older than that while it steps. The process ends when the parent's pipe closes, as it
-does when the parent dies in any way: the next command it waits for or looks for between steps
-is the end of the pipe.
+`STATE_INTERVAL_S`, and always with a step that ended a request or left the engine idle (the
+parent takes them before it hands the outputs on), so what the replica reads of them is never
+older than that while it steps, and a caller whose stream ended reads the figures of its end.
+The process ends when the parent's pipe closes, as it does when the parent dies in any way: the
+next command it waits for or looks for between steps is the end of the pipe.
 """
 
 from __future__ import annotations
@@ -151,7 +152,8 @@ class _Core:
         events = self.events.drain() if self.events is not None else []
         now = time.perf_counter()
         state = None
-        if not self.engine.has_work or now - self._state_sent >= STATE_INTERVAL_S:
+        ended = any(out.finished for out in outputs)  # its caller may read the figures next
+        if ended or not self.engine.has_work or now - self._state_sent >= STATE_INTERVAL_S:
             state, self._state_sent = state_of(self.engine), now
         if items or events or state is not None:
             self.out.send(("step", items, events, state))

@@ -225,12 +225,14 @@ class ProcessEngine(EngineClient):
                 message = self._out.recv()
                 kind = message[0]
                 if kind == "step":
-                    self._dispatch(message[1])
+                    # the figures and events first: a caller woken by its last output reads
+                    # the figures of the step that made it
+                    if message[3] is not None:
+                        self.engine.state = message[3]
                     if message[2] and self._event_sink is not None:
                         for event in message[2]:
                             self._event_sink(event)
-                    if message[3] is not None:
-                        self.engine.state = message[3]
+                    self._dispatch(message[1])
                 elif kind == "state":
                     self.engine.state = message[1]
                 elif kind == "error":

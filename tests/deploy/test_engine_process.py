@@ -183,6 +183,8 @@ def test_figures_are_fresh_while_it_steps(process_engine: ProcessEngine) -> None
             mirror = process_engine.engine
             seen.append((mirror.num_running, mirror.metrics().num_generated_tokens,
                          mirror.cache_stats().num_used_tokens))
+        # the step that ended the stream brought its figures before its last output
+        assert process_engine.engine.metrics().num_generated_tokens == LONG.max_new_tokens
         await asyncio.sleep(0.2)
         return seen
 

@@ -142,7 +142,7 @@ def test_the_engine_process_takes_the_threads_and_ends_with_the_replica(tiny_lla
             params = GenerationParams(max_new_tokens=6, ignore_eos=True)
             async for outputs in server.generate([5, 6, 7, 8], params, "r"):
                 tokens += [t for out in outputs for t in out.new_token_ids]
-            stats = await server.stats()
+            stats = await server.stats()  # the figures of the step that ended the stream
             assert stats.kv_capacity == 2048 and stats.metrics.num_generated_tokens == 6
             return server.facts, tokens, os.getpid()
         finally:
