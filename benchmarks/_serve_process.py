@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -90,7 +91,17 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _stop_on_sigterm() -> None:
+    """A time limit's SIGTERM (gpu_check.sh runs each step under `timeout`) ends this script
+    through its `finally:` blocks, which stop the server: the server runs in a session of its
+    own, and left running it holds the GPU that the next check needs."""
+    if (threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL):
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+
+
 def start_server(model: str, flags: list[str], log: Path) -> tuple[subprocess.Popen[bytes], str]:
+    _stop_on_sigterm()
     port = _free_port()
     env_vars = dict(f.split("=", 1) for f in flags if "=" in f and not f.startswith("-"))
     flags = [f for f in flags if "=" not in f or f.startswith("-")]

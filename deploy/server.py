@@ -1,15 +1,19 @@
 """The engine deployment: each Serve replica hosts one engine behind an `AsyncEngine`.
 
 Placement: with GPU bundles, the replica's placement group is one CPU bundle (this actor) plus
-one GPU bundle per rank, STRICT_PACK, and the ranks' worker actors go into bundles 1..tp. On a
-machine without GPUs a replica with tp 1 runs its one rank in-process (a `LocalExecutor`, no
-placement group); with tp > 1 the ranks take one CPU bundle each.
+one GPU bundle per rank, STRICT_PACK, and the ranks' worker actors go into bundles 1..tp. A
+replica with tp 1 runs its one rank itself (a `LocalExecutor`, no placement group): on a machine
+without GPUs, and on CUDA where the app placed it so (`engine_placement`: the replica reserves the
+GPU, Ray sets its CUDA_VISIBLE_DEVICES, no worker actor and no Ray call per step); on the CPU with
+tp > 1 the ranks take one CPU bundle each.
 
 The engine itself comes from an `EngineFactory`, so tests can serve a different engine. With
-`engine_process` (the app's default), a replica whose rank would run in its own process on the
-CPU runs the engine in a child process instead (`raydix.engine.engine_process`): the factory is
-sent there by cloudpickle and runs outside Serve (the replica's id is in its environment as
-`RAYDIX_REPLICA_ID`), the thread setting applies there, and the replica streams the outputs.
+`engine_process` (the app's default), a replica whose one rank would run in its own process (the
+CPU's, or the GPU it reserved) runs the engine in a child process instead
+(`raydix.engine.engine_process`; it inherits the replica's environment, CUDA_VISIBLE_DEVICES
+included): the factory is sent there by cloudpickle and runs outside Serve (the replica's id is in
+its environment as `RAYDIX_REPLICA_ID`), the thread setting applies there, and the replica streams
+the outputs.
 
 With the cache-aware router (`routing` set), a `ReplicaReporter` task on the replica's event loop
 sends the replica's load to the application's router actor (made here by the first replica, so it
@@ -109,6 +113,13 @@ def replica_bundles(tp_size: int, use_gpu_bundles: bool) -> list[dict[str, float
     return [{"CPU": 1.0}] + [{"CPU": 1.0}] * tp_size
 
 
+def runs_in_engine_process(config: EngineConfig, settings: ReplicaSettings) -> bool:
+    """Whether the replica's engine steps in a process of its own: with `engine_process`, when
+    its one rank would run in this process (on the CPU, or on the GPU the replica reserved)."""
+    return (settings.engine_process and config.worker.device in ("cpu", "cuda")
+            and replica_bundles(config.worker.tp_size, settings.use_gpu_bundles) is None)
+
+
 def build_engine(config: EngineConfig, settings: ReplicaSettings,
                  event_sink: EventSink | None = None) -> Engine:
     """The default factory: the model's tokenizer, and the ranks where `replica_bundles` put
@@ -185,10 +196,7 @@ class EngineServer:
         start = time.perf_counter()
         self.engine: EngineClient
         with StartupLog() as startup:
-            # a rank that would run in this process, on the CPU, runs in the engine process
-            own_process = (settings.engine_process and engine_config.worker.device == "cpu"
-                           and replica_bundles(engine_config.worker.tp_size,
-                                               settings.use_gpu_bundles) is None)
+            own_process = runs_in_engine_process(engine_config, settings)
             setup = None
             if settings.cpu_threads is not None:
                 model = engine_config.worker.model_path if settings.fit_threads_to_model else None
