@@ -40,7 +40,7 @@ import concurrent.futures
 import contextlib
 import logging
 import threading
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol, TypeVar, cast
 
@@ -331,25 +331,31 @@ class AsyncEngine(EngineClient):
                 command.future.set_exception(e)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
-        """Hand a step's outputs to their callers: one wake-up of each caller's event loop per
-        step, however many requests it streams."""
         by_rid: dict[str, list[RequestOutput]] = {}
         for out in outputs:
             by_rid.setdefault(out.rid, []).append(out)
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[_Item], _Item]]] = {}
-        for rid, outs in by_rid.items():
-            sink = self._sinks.get(rid)
-            if sink is None:
-                continue  # aborted meanwhile
-            finished = any(out.finished for out in outs)
-            if finished:
-                del self._sinks[rid]
-            due = self._hold.due(rid, outs, finished)
-            if due is not None:
-                by_loop.setdefault(sink.loop, []).append((sink.queue, due))
-        for loop, items in by_loop.items():
-            with contextlib.suppress(RuntimeError):  # the caller's loop is closed: nobody waits
-                loop.call_soon_threadsafe(put_all, items)
+        hand_out(self._sinks, by_rid.items(), self._hold)
+
+
+def hand_out(sinks: dict[str, _Sink], outputs: Iterable[tuple[str, list[RequestOutput]]],
+             hold: StreamHold | None = None) -> None:
+    """Hand a step's outputs (each request's, in order) to their callers: one wake-up of each
+    caller's event loop per step, however many requests it streams. A finished request's sink
+    is dropped; `hold` keeps back what is not due yet (`--stream-interval`)."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[_Item], _Item]]] = {}
+    for rid, outs in outputs:
+        sink = sinks.get(rid)
+        if sink is None:
+            continue  # aborted meanwhile
+        finished = any(out.finished for out in outs)
+        if finished:
+            del sinks[rid]
+        due = outs if hold is None else hold.due(rid, outs, finished)
+        if due is not None:
+            by_loop.setdefault(sink.loop, []).append((sink.queue, due))
+    for loop, items in by_loop.items():
+        with contextlib.suppress(RuntimeError):  # the caller's loop is closed: nobody waits
+            loop.call_soon_threadsafe(put_all, items)
 
 
 def put_all(items: list[tuple[asyncio.Queue[_Item], _Item]]) -> None:

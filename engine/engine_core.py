@@ -7,8 +7,8 @@ and everything the process says goes out on the other. The first command is the 
 second the `CoreSpec` (pickled: its factory, like the functions of calls, goes by reference and
 must be importable here). Then:
 
-- ``("add", rid, prompt_ids, params)``, ``("abort", rid)``, ``("call", id, pickled fn)``,
-  ``("stop",)`` from the parent, applied between steps;
+- `AddRequest`, `AbortRequest`, `CallEngine` and `StopEngine` from the parent, applied between
+  steps;
 - ``("built", facts)`` or ``("failed", error)`` once, then ``("step", items, events, state)``
   per step with outputs due, ``("error", rid, error)`` for a refused request, ``("result", id,
   ok, value)`` per call, ``("state", state)`` when idle, ``("log", level, name, message)`` for
@@ -29,7 +29,7 @@ import logging
 import pickle
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import NamedTuple
@@ -39,12 +39,34 @@ from raydix.cache import EventBuffer, EventSink
 from .engine import CacheStats, Engine, RankFacts
 from .executor import RankLocation
 from .metrics import EngineMetrics
-from .request import RequestOutput
+from .request import GenerationParams, RequestOutput
 from .stream_hold import StreamHold
 
 STATE_INTERVAL_S = 0.02  # the longest the replica's copy of the engine's figures lags a step
 
 logger = logging.getLogger(__name__)
+
+
+class AddRequest(NamedTuple):
+    rid: str
+    prompt_ids: Sequence[int]
+    params: GenerationParams
+
+
+class AbortRequest(NamedTuple):
+    rid: str
+
+
+class CallEngine(NamedTuple):
+    call_id: int
+    fn: bytes  # a pickled `Callable[[Engine], object]`
+
+
+class StopEngine(NamedTuple):
+    pass
+
+
+Command = AddRequest | AbortRequest | CallEngine | StopEngine
 
 
 @dataclass(frozen=True)
@@ -106,33 +128,30 @@ class _Core:
         self.stopped = False
         self._state_sent = 0.0
 
-    def apply(self, command: tuple[object, ...]) -> None:
-        kind = command[0]
-        if kind == "add":
-            _, rid, prompt, params = command
+    def apply(self, command: Command) -> None:
+        if isinstance(command, AddRequest):
             try:
-                self.engine.add_request(prompt, params, rid, process_outputs=False)  # type: ignore[arg-type]
+                self.engine.add_request(command.prompt_ids, command.params, command.rid,
+                                        process_outputs=False)
             except ValueError as e:
-                self.out.send(("error", rid, e))
+                self.out.send(("error", command.rid, e))
                 return
-            self.live.add(rid)  # type: ignore[arg-type]
-        elif kind == "abort":
-            rid = command[1]
-            self.hold.drop(rid)  # type: ignore[arg-type]
-            if rid in self.live:
-                self.live.discard(rid)
-                self.engine.abort(rid)
-        elif kind == "call":
-            _, call_id, fn = command
+            self.live.add(command.rid)
+        elif isinstance(command, AbortRequest):
+            self.hold.drop(command.rid)
+            if command.rid in self.live:
+                self.live.discard(command.rid)
+                self.engine.abort(command.rid)
+        elif isinstance(command, CallEngine):
             try:
-                result = (call_id, True, pickle.loads(fn)(self.engine))  # type: ignore[arg-type]
+                result = (command.call_id, True, pickle.loads(command.fn)(self.engine))
             except Exception as e:
-                result = (call_id, False, e)
+                result = (command.call_id, False, e)
             self.out.send(("result", *result))
-        elif kind == "stop":
+        elif isinstance(command, StopEngine):
             self.stopped = True
         else:
-            raise ValueError(f"unknown engine-process command {kind!r}")
+            raise ValueError(f"unknown engine-process command {command!r}")
 
     def step(self) -> None:
         outputs = self.engine.step()

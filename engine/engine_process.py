@@ -27,9 +27,7 @@ the child dies or a step raises, every request in flight and every later one fai
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
-import contextlib
 import itertools
 import logging
 import os
@@ -49,16 +47,24 @@ from .async_engine import (
     _Abort,
     _Add,
     _Call,
-    _Item,
     _Sink,
     deliver,
     fail_command,
-    put_all,
+    hand_out,
 )
 from .config import EngineConfig
 from .detokenizer import TokenDecoder
 from .engine import CacheStats, Engine, RankFacts
-from .engine_core import ENTRY, BuiltFacts, CoreSpec
+from .engine_core import (
+    ENTRY,
+    AbortRequest,
+    AddRequest,
+    BuiltFacts,
+    CallEngine,
+    Command,
+    CoreSpec,
+    StopEngine,
+)
 from .engine_errors import EngineDeadError
 from .executor import RankLocation, UnhealthyRanksError
 from .metrics import EngineMetrics
@@ -174,7 +180,7 @@ class ProcessEngine(EngineClient):
 
     def shutdown(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
         self._stopped = True
-        self._put(("stop",))
+        self._put(StopEngine())
         self._stop_process(timeout_s)
 
     def _stop_process(self, timeout_s: float) -> None:
@@ -189,16 +195,17 @@ class ProcessEngine(EngineClient):
 
     # ------------------------------------------------------------------- commands down
     def _send(self, command: _Add | _Abort | _Call) -> None:
+        message: Command
         if isinstance(command, _Add):
             self._sinks[command.rid] = command.sink
-            message: tuple[object, ...] = ("add", command.rid, command.prompt_ids, command.params)
+            message = AddRequest(command.rid, command.prompt_ids, command.params)
         elif isinstance(command, _Abort):
             self._sinks.pop(command.rid, None)  # nothing more goes to the caller
-            message = ("abort", command.rid)
+            message = AbortRequest(command.rid)
         else:
             call_id = next(self._call_ids)
             self._calls[call_id] = command.future
-            message = ("call", call_id, self._dumps(command.fn))
+            message = CallEngine(call_id, self._dumps(command.fn))
         if not self._put(message):
             if isinstance(command, _Add):
                 self._sinks.pop(command.rid, None)
@@ -206,7 +213,7 @@ class ProcessEngine(EngineClient):
                 self._calls.pop(call_id, None)
             fail_command(command, EngineDeadError(self._closed_reason))
 
-    def _put(self, message: tuple[object, ...]) -> bool:
+    def _put(self, message: Command) -> bool:
         with self._send_lock:
             if self._closed:
                 return False
@@ -298,18 +305,7 @@ class ProcessEngine(EngineClient):
                 logger.exception("the engine's on_error callback failed")
 
     def _dispatch(self, items: list[tuple[str, list[RequestOutput]]]) -> None:
-        """One wake-up of each caller's event loop per step, however many requests it streams."""
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[_Item], _Item]]] = {}
-        for rid, outs in items:
-            sink = self._sinks.get(rid)
-            if sink is None:
-                continue  # aborted meanwhile
-            if any(out.finished for out in outs):
-                del self._sinks[rid]
-            by_loop.setdefault(sink.loop, []).append((sink.queue, outs))
-        for loop, queued in by_loop.items():
-            with contextlib.suppress(RuntimeError):  # the caller's loop is closed: nobody waits
-                loop.call_soon_threadsafe(put_all, queued)
+        hand_out(self._sinks, items)  # the engine process held back what was not due
 
 
 def engine_process_pid(engine: EngineClient) -> int | None:
