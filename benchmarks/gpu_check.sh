@@ -70,11 +70,20 @@ step() {  # step NAME COMMAND...: run one check under the time limit, log to $ou
   local name=$1; shift
   case " $steps " in *" $name "*) ;; *) return 0 ;; esac
   local t0=$SECONDS rc=0
+  gpu_users "$name"
   echo "=== $name: $*"
   timeout "$limit" "$@" 2>&1 | tee "$out/$name.log" || rc=$?
   echo "=== $name: exit $rc after $((SECONDS - t0)) s" | tee -a "$out/steps.log"
   [ "$rc" -eq 0 ] || status=1
   save_kernels
+}
+gpu_users() {  # say who holds the GPU before a step: a server that an earlier check left running
+  # holds most of its memory, and the step's KV pools then find no room
+  command -v nvidia-smi >/dev/null || return 0
+  local apps
+  apps=$(nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv,noheader \
+    2>/dev/null | tr '\n' ';')
+  [ -z "$apps" ] || echo "=== before $1, the GPU is in use: $apps" | tee -a "$out/steps.log"
 }
 save_kernels() {  # the results, and the kernels flashinfer compiled here, back through $OUT
   [ -n "${OUT:-}" ] || return 0

@@ -214,7 +214,8 @@ def request_router_options(config: AppConfig) -> dict[str, RequestRouterConfig]:
     (which the first engine replica creates); power_of_two is Serve's default router;
     ray_prefix is Ray Serve LLM's prefix router, fed the prompt's token ids."""
     if config.router == "cache_aware":
-        kwargs = {"decision_timeout_s": config.router_decision_timeout_s}
+        kwargs = {"decision_timeout_s": config.router_decision_timeout_s,
+                  "fixed_replicas": None if config.autoscaling else config.replicas}
         return {"request_router_config": RequestRouterConfig(
             request_router_class=CacheAwareRequestRouter,  # type: ignore[arg-type]
             request_router_kwargs=kwargs)}

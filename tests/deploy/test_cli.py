@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from raydix.deploy.cli import build_parser, load_config, local_cpus_needed, main
-from raydix.deploy.config import AppConfig
+from raydix.deploy.config import AppConfig, AutoscalingSettings
 from raydix.deploy.cpu_threads import default_cpu_threads
 from raydix.deploy.engine_settings import engine_config
 
@@ -57,7 +57,10 @@ def test_router_flags_pick_the_request_router() -> None:
         balance_rel_threshold=2.0, saturated_kv_usage=0.8)
     options = request_router_options(config)["request_router_config"]
     assert options.get_request_router_class() is CacheAwareRequestRouter
-    assert options.request_router_kwargs == {"decision_timeout_s": 0.2}
+    assert options.request_router_kwargs == {"decision_timeout_s": 0.2, "fixed_replicas": 1}
+    autoscaled = config.model_copy(update={"autoscaling": AutoscalingSettings(max_replicas=3)})
+    assert request_router_options(autoscaled)["request_router_config"].request_router_kwargs[
+        "fixed_replicas"] is None
     config = parse("--router", "round_robin")
     assert routing_policy(config) is None
     assert (request_router_options(config)["request_router_config"].get_request_router_class()

@@ -231,3 +231,44 @@ def test_ray_prefix_router_gives_each_call_of_one_api_request_its_own_replica(
         return [r.replica_id.unique_id for r in routed]
 
     assert asyncio.run(run()) == ["r1", "r2"]
+
+
+@pytest.mark.parametrize("fixed_replicas, candidates, asks", [
+    (1, ("r0",), False),  # one replica that can't grow: no choice, no round trip
+    (1, ("r0", "r1"), True),  # a rolling update's second replica: a choice again
+    (None, ("r0",), True),  # autoscaled: the actor's record of decisions serves the next ones
+    (2, ("r0",), True),  # the second of two replicas is not up yet
+])
+def test_cache_aware_asks_the_actor_only_when_there_is_a_choice(
+    monkeypatch: pytest.MonkeyPatch, fixed_replicas: int | None, candidates: tuple[str, ...],
+    asks: bool,
+) -> None:
+    asked: list[tuple[object, ...]] = []
+
+    class Decision:
+        replica = candidates[-1]
+
+    async def decided() -> Decision:
+        return Decision()
+
+    class FakeRoute:
+        def remote(self, *args: object) -> object:
+            asked.append(args)
+            return decided()
+
+    class FakeActor:
+        route = FakeRoute()
+
+    monkeypatch.setattr(ray, "get_actor", lambda name, namespace=None: FakeActor())
+
+    async def run() -> tuple[list[list[str]], int]:
+        router = CacheAwareRequestRouter(deployment_id=DEPLOYMENT,
+                                         handle_source=DeploymentHandleSource.UNKNOWN)
+        router.initialize_state(decision_timeout_s=1.0, fixed_replicas=fixed_replicas)
+        replicas = [FakeReplica(u) for u in candidates]
+        chosen = ranks(await router.choose_replicas(replicas, FakePending()))  # type: ignore[arg-type]
+        return chosen, router.num_sole
+
+    chosen, num_sole = asyncio.run(run())
+    assert bool(asked) == asks and num_sole == (0 if asks else 1)
+    assert chosen[0] == [candidates[-1]]
