@@ -96,7 +96,9 @@ def bind_app(config: AppConfig, engine_factory: EngineFactory = build_engine) ->
         logging_config={"enable_access_log": False},  # a report per replica per second
     ).bind()
     settings = replica_settings(config, use_gpu and not gpu_in_replica, cpu_threads)
-    policy = routing_policy(config)
+    # one replica that can't grow: no choice to make, so no router actor, no load reports and
+    # no cache events (the request router sends everything to it: `fixed_replicas`)
+    policy = None if one_fixed_replica(config) else routing_policy(config)
     engine_app = engine_deployment.bind(engine, settings, engine_factory, board, routing=policy)
     ingress = _deployment(OpenAIIngress).options(
         name=INGRESS_DEPLOYMENT,
@@ -207,6 +209,11 @@ def _deployment(cls: type, **options: Any) -> Deployment:
     """`serve.deployment` on a class (its overloads type the plain call as a decorator), with
     the options that `Deployment.options` does not take."""
     return cast(Deployment, serve.deployment(cls, **options))
+
+
+def one_fixed_replica(config: AppConfig) -> bool:
+    """One engine replica and no autoscaling: the cache-aware router has nothing to choose."""
+    return config.autoscaling is None and config.replicas == 1
 
 
 def request_router_options(config: AppConfig) -> dict[str, RequestRouterConfig]:

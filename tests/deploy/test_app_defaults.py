@@ -78,3 +78,27 @@ def test_the_rolling_update_share_reaches_the_engine_deployment(model_folder: st
     base = AppConfig(model=model_folder, device="cpu")
     assert engine_share(base) == DeploymentConfig().rolling_update_percentage  # Serve's default
     assert engine_share(base.model_copy(update={"rolling_update_percentage": 1.0})) == 1.0
+
+
+def test_one_fixed_replica_has_no_router_actor_to_feed(model_folder: str) -> None:
+    """One replica that can't grow: its requests need no decision, so it reports nothing to a
+    router actor (no load reports, no cache events) and /metrics shows no router series; two
+    replicas, or one that may grow, do."""
+    from ray.serve.deployment import Application
+
+    from raydix.deploy.app import bind_app
+    from raydix.deploy.config import AutoscalingSettings
+
+    def routing(config: AppConfig) -> tuple[object, bool]:
+        app = bind_app(config)
+        engine = next(a for a in app._bound_deployment.init_args if isinstance(a, Application))
+        return (engine._bound_deployment.init_kwargs["routing"],
+                app._bound_deployment.init_kwargs["cache_aware_router"])
+
+    base = AppConfig(model=model_folder, device="cpu", cpu_threads=1)
+    assert routing(base) == (None, False)
+    for grows in (base.model_copy(update={"replicas": 2}),
+                  base.model_copy(update={"autoscaling": AutoscalingSettings(max_replicas=2)})):
+        policy, cache_aware = routing(grows)
+        assert policy is not None and cache_aware
+    assert routing(base.model_copy(update={"router": "power_of_two"})) == (None, False)
