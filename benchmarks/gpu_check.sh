@@ -29,8 +29,9 @@
 # (GPU_CHECK_STEP_S, default 900 s) so that one slow step cannot take the rest with it.
 # Results (logs, JSON and markdown tables) go to GPU_CHECK_DIR (default ./gpu-check). Where $OUT
 # is set (a device call), two files go there after each step: gpu-check.tgz (those results) and
-# fi_jit.tgz (flashinfer's kernels compiled here: unpack its cached_ops/ into .gpu/fi_aot/ to
-# carry them next time).
+# fi_jit.tgz (flashinfer's kernels compiled here: put it, or a tar of the kernels wanted, at
+# .gpu-jit/fi_jit.tgz and carry `.gpu-jit` next time; with `.gpu` and `.gpu-ray` mind the
+# device call's 64 MiB).
 #
 # It uses the Python environment it finds (`make setup` on a CUDA host installs everything). On a
 # machine without a package index: here, `bash benchmarks/gpu_prepare.sh`; there,
@@ -47,6 +48,14 @@ fi
 "$PYTHON" -c 'import torch, flashinfer; assert torch.cuda.is_available(), "no CUDA device"
 print("torch", torch.__version__, "flashinfer", flashinfer.__version__, torch.cuda.get_device_name())' \
   || exit 1
+jit_cache=${FLASHINFER_WORKSPACE_BASE:-$HOME}/.cache/flashinfer
+if [ -f .gpu-jit/fi_jit.tgz ]; then
+  # flashinfer kernels an earlier check compiled (its fi_jit.tgz, or part of it; carry
+  # `.gpu-jit`): the norm, rope, page and activation modules the kit lacks took 2 min 15 s to
+  # compile in a first engine's warm-up on an H200
+  mkdir -p "$jit_cache" && tar -xzf .gpu-jit/fi_jit.tgz -C "$jit_cache" \
+    && echo "flashinfer kernels from .gpu-jit/fi_jit.tgz"
+fi
 steps=${GPU_CHECK_STEPS:-tests bench against kernels pagetable worker default windows serve}
 limit=${GPU_CHECK_STEP_S:-900}
 if ! "$PYTHON" -c 'import ray.serve' 2>/dev/null && [ -f .gpu-ray/ray_site.tar.xz ]; then
@@ -88,9 +97,8 @@ gpu_users() {  # say who holds the GPU before a step: a server that an earlier c
 save_kernels() {  # the results, and the kernels flashinfer compiled here, back through $OUT
   [ -n "${OUT:-}" ] || return 0
   tar -czf "$OUT/gpu-check.tgz" -C "$out" . || true
-  local jit=${FLASHINFER_WORKSPACE_BASE:-$HOME}/.cache/flashinfer
-  [ -d "$jit" ] || return 0
-  (cd "$jit" && find . -name '*.so' -path '*cached_ops*' | tar -czf "$OUT/fi_jit.tgz" -T -) || true
+  [ -d "$jit_cache" ] || return 0
+  (cd "$jit_cache" && find . -name '*.so' -path '*cached_ops*' | tar -czf "$OUT/fi_jit.tgz" -T -) || true
 }
 windows=tests/workers/test_gpu.py::test_flashinfer_windows_and_soft_caps_match_torch_backend
 step tests "$PYTHON" -m pytest -m gpu tests/workers/test_gpu.py tests/workers/test_gpu_defaults.py \
