@@ -89,9 +89,10 @@ class InProcess:
         best: dict[int, Stats] = {}
         for n_threads in threads if self.device == "cpu" else [torch.get_num_threads()]:
             torch.set_num_threads(n_threads)
-            if n_threads not in self.warm:
-                self.warm.add(n_threads)
-                run_engine(self.engine, prompts_for(2, prompt_len, self.vocab, seeds()), 8)
+            if n_threads not in self.warm:  # every batch size measured, at this thread count:
+                self.warm.add(n_threads)  # a graph's guards see the threads (cpu_decode_graph.py)
+                for n in sorted({1, 2, *streams}):
+                    run_engine(self.engine, prompts_for(n, prompt_len, self.vocab, seeds()), 4)
             for n in streams:  # prompts new to this engine's prefix cache on every pass
                 prompts = prompts_for(n, prompt_len, self.vocab, seeds())
                 cpu = time.process_time()
@@ -158,7 +159,8 @@ def through_serve(server: subprocess.Popen[bytes], url: str, streams: list[int],
         gaps = [float(np.max(np.diff(t))) for t in times if len(t) > 1]
         return stats._replace(max_gap_s=max(gaps, default=0.0))
 
-    asyncio.run(burst(2, seeds(), 8))  # warm-up
+    for n in sorted({2, *streams}):  # warm-up: each load once
+        asyncio.run(burst(n, seeds(), 4))
     out = {}
     for n in streams:
         parts = ttft_parts(url)

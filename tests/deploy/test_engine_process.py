@@ -80,6 +80,10 @@ def process_id(engine: Engine) -> int:
     return os.getpid()
 
 
+def visible_devices(engine: Engine) -> str | None:
+    return os.environ.get("CUDA_VISIBLE_DEVICES")
+
+
 def _gone(pid: int, within_s: float = 10.0) -> bool:
     deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:
@@ -231,6 +235,18 @@ def test_stop_strings_end_streams_as_offline(tiny_llama: Path) -> None:
     assert got == text[: text.find(stop)] and reason is FinishReason.STOP
     assert rows == (0, 0)
     assert engine.engine.metrics().num_generated_tokens < 100
+
+
+def test_the_process_sees_the_gpu_ray_gave_the_replica(
+        tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CUDA replica with tp 1 reserves its GPU and Ray sets CUDA_VISIBLE_DEVICES in the
+    replica's environment, after start: the engine process, which holds the rank, sees it."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    engine = ProcessEngine(functools.partial(make_engine, tiny_llama))
+    try:
+        assert asyncio.run(engine.call(visible_devices)) == "3"
+    finally:
+        engine.shutdown()
 
 
 def test_log_lines_come_over(tiny_llama: Path, caplog: pytest.LogCaptureFixture) -> None:
