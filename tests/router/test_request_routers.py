@@ -69,6 +69,29 @@ def route_twice(decision_timeout_s: float) -> tuple[list[list[str]], int]:
     return asyncio.run(run())
 
 
+def fake_router_actor(monkeypatch: pytest.MonkeyPatch, replica: str) -> list[tuple[object, ...]]:
+    """A router actor that always chooses `replica`; returns the arguments of each `route`."""
+    asked: list[tuple[object, ...]] = []
+
+    class Decision:
+        def __init__(self) -> None:
+            self.replica = replica
+
+    async def decided() -> Decision:
+        return Decision()
+
+    class FakeRoute:
+        def remote(self, *args: object) -> object:
+            asked.append(args)
+            return decided()
+
+    class FakeActor:
+        route = FakeRoute()
+
+    monkeypatch.setattr(ray, "get_actor", lambda name, namespace=None: FakeActor())
+    return asked
+
+
 def test_cache_aware_without_a_router_actor_routes_by_load(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -92,24 +115,7 @@ def test_cache_aware_offers_the_chosen_replica_first_then_the_others(
 ) -> None:
     """The router actor's choice is tried `HOLDER_TRIES` times (Serve moves on when a replica
     misses its queue-length deadline or is full), then every other replica."""
-
-    class Decision:
-        replica = "r1"
-
-    async def decided() -> Decision:
-        return Decision()
-
-    asked: list[tuple[object, ...]] = []
-
-    class FakeRoute:
-        def remote(self, *args: object) -> object:
-            asked.append(args)
-            return decided()
-
-    class FakeActor:
-        route = FakeRoute()
-
-    monkeypatch.setattr(ray, "get_actor", lambda name, namespace=None: FakeActor())
+    asked = fake_router_actor(monkeypatch, "r1")
     chosen, num_fallbacks = route_twice(decision_timeout_s=1.0)
     assert num_fallbacks == 0
     assert chosen == [["r1"]] * HOLDER_TRIES + [["r0", "r2"]]
@@ -243,23 +249,7 @@ def test_cache_aware_asks_the_actor_only_when_there_is_a_choice(
     monkeypatch: pytest.MonkeyPatch, fixed_replicas: int | None, candidates: tuple[str, ...],
     asks: bool,
 ) -> None:
-    asked: list[tuple[object, ...]] = []
-
-    class Decision:
-        replica = candidates[-1]
-
-    async def decided() -> Decision:
-        return Decision()
-
-    class FakeRoute:
-        def remote(self, *args: object) -> object:
-            asked.append(args)
-            return decided()
-
-    class FakeActor:
-        route = FakeRoute()
-
-    monkeypatch.setattr(ray, "get_actor", lambda name, namespace=None: FakeActor())
+    asked = fake_router_actor(monkeypatch, candidates[-1])
 
     async def run() -> tuple[list[list[str]], int]:
         router = CacheAwareRequestRouter(deployment_id=DEPLOYMENT,
