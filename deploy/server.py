@@ -198,6 +198,7 @@ class EngineServer:
         with StartupLog() as startup:
             own_process = runs_in_engine_process(engine_config, settings)
             setup = None
+            was_nice = os.getpriority(os.PRIO_PROCESS, 0)
             if settings.cpu_threads is not None:
                 model = engine_config.worker.model_path if settings.fit_threads_to_model else None
                 if own_process:  # the threads are the child's
@@ -205,8 +206,10 @@ class EngineServer:
                     setup = functools.partial(use_cpu_threads, settings.cpu_threads, model)
                 else:
                     was_nice = use_cpu_threads(settings.cpu_threads, model)
-                if was_nice != os.getpriority(os.PRIO_PROCESS, 0):
-                    logger.info("priority: nice %d -> 0", was_nice)
+            elif own_process:  # a GPU's rank: its host work is each step's critical path
+                was_nice = take_normal_priority("the engine replica")
+            if was_nice != os.getpriority(os.PRIO_PROCESS, 0):
+                logger.info("priority: nice %d -> 0", was_nice)
             if own_process:
                 # the engine process inherits this process's priority (nice 0 by now)
                 self.engine = ProcessEngine(

@@ -6,6 +6,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import subprocess
+import sys
+import textwrap
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -155,6 +158,37 @@ def test_the_engine_process_takes_the_threads_and_ends_with_the_replica(tiny_lla
     assert any(line.startswith("CPU threads: 1 of 2") for line in facts.log_lines), facts
     assert any(line.startswith("KV pool: 2048 tokens") for line in facts.log_lines), facts
     assert not Path(f"/proc/{facts.engine_pid}").exists()
+
+
+def test_an_engine_process_without_a_thread_setting_takes_the_normal_priority(
+        tiny_llama: Path) -> None:
+    """A GPU's rank in the engine process (no CPU thread setting) steps at nice 0 as well: Ray
+    starts the replica at nice 15, and the rank's host work is each step's critical path. Here
+    a CPU replica given no thread setting, started at nice 15, in a process of its own."""
+    code = textwrap.dedent(f"""
+        import asyncio, os
+        os.nice(15)
+        from raydix.deploy.server import EngineServer, ReplicaSettings
+        from raydix.engine.config import EngineConfig, SchedulerConfig
+        from raydix.workers.config import WorkerConfig
+        from tests import uncompiled
+        config = uncompiled.uncompiled(EngineConfig.build(
+            WorkerConfig(model_path={str(tiny_llama)!r}, max_total_tokens=2048),
+            SchedulerConfig(max_running_requests=4, max_context_len=256)))
+        async def run():
+            server = EngineServer(config, ReplicaSettings(engine_process=True),
+                                  engine_factory=uncompiled.uncompiled_engine)
+            try:
+                pid = server.facts.engine_pid
+                print(server.facts.nice, os.getpriority(os.PRIO_PROCESS, pid), pid != os.getpid())
+            finally:
+                server.engine.shutdown()
+        asyncio.run(run())
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300, cwd=Path(__file__).resolve().parents[2])
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split()[-3:] == ["0", "0", "True"], out.stdout
 
 
 @pytest.fixture(scope="module")
