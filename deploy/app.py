@@ -58,7 +58,7 @@ def bind_app(config: AppConfig, engine_factory: EngineFactory = build_engine) ->
     nodes hold, are refused here with a ValueError (Serve would keep them pending without
     end), unless an autoscaler can add nodes."""
     where = engine_placement(config)
-    device, use_gpu, bundles, cpu_threads, gpu_in_replica = where
+    device, use_gpu, bundles, cpu_threads = where
     check_attention_backend(config, device)
     shortfall = replica_shortfall(config)
     if shortfall is not None:
@@ -95,9 +95,9 @@ def bind_app(config: AppConfig, engine_factory: EngineFactory = build_engine) ->
         max_ongoing_requests=1024,
         logging_config={"enable_access_log": False},  # a report per replica per second
     ).bind()
-    settings = replica_settings(config, use_gpu and not gpu_in_replica, cpu_threads)
+    settings = replica_settings(config, use_gpu and not where.gpu_in_replica, cpu_threads)
     # one replica that can't grow: no choice to make, so no router actor, no load reports and
-    # no cache events (the request router sends everything to it: `fixed_replicas`)
+    # no cache events (the request router sends everything to it: `sole_replica`)
     policy = None if one_fixed_replica(config) else routing_policy(config)
     engine_app = engine_deployment.bind(engine, settings, engine_factory, board, routing=policy)
     ingress = _deployment(OpenAIIngress).options(
@@ -122,7 +122,11 @@ class EnginePlacement(NamedTuple):
     use_gpu: bool  # each rank reserves a Ray GPU
     bundles: list[dict[str, float]] | None  # the replica's placement group; None: none
     cpu_threads: int | None  # the in-process rank's threads (CPU, tp 1)
-    gpu_in_replica: bool = False  # the one rank is the replica's own, on the replica's GPU
+
+    @property
+    def gpu_in_replica(self) -> bool:
+        """The one rank is the replica's own, on the GPU the replica reserved."""
+        return self.use_gpu and self.bundles is None
 
 
 def engine_placement(config: AppConfig) -> EnginePlacement:
@@ -135,8 +139,7 @@ def engine_placement(config: AppConfig) -> EnginePlacement:
     gpu_in_replica = (use_gpu and device == "cuda" and config.tp == 1
                       and not config.disable_engine_process)
     bundles = None if gpu_in_replica else replica_bundles(config.tp, use_gpu)
-    return EnginePlacement(device, use_gpu, bundles,
-                           replica_cpu_threads(config, device, bundles), gpu_in_replica)
+    return EnginePlacement(device, use_gpu, bundles, replica_cpu_threads(config, device, bundles))
 
 
 def engine_actor_options(placement: EnginePlacement) -> dict[str, object]:
@@ -169,7 +172,7 @@ def replica_shortfall(config: AppConfig) -> Shortfall | None:
     ValueError when nothing would (see `capacity.py`)."""
     if not ray.is_initialized():
         return None
-    _, use_gpu, bundles, cpu_threads, _ = engine_placement(config)
+    _, use_gpu, bundles, cpu_threads = engine_placement(config)
     if bundles is not None:
         check_replica_fits(config.tp, use_gpu, num_extra_cpus=1)  # bundle 0: the engine
     return check_replicas_fit(config.autoscaling.min_replicas if config.autoscaling else
@@ -222,7 +225,7 @@ def request_router_options(config: AppConfig) -> dict[str, RequestRouterConfig]:
     ray_prefix is Ray Serve LLM's prefix router, fed the prompt's token ids."""
     if config.router == "cache_aware":
         kwargs = {"decision_timeout_s": config.router_decision_timeout_s,
-                  "fixed_replicas": None if config.autoscaling else config.replicas}
+                  "sole_replica": one_fixed_replica(config)}
         return {"request_router_config": RequestRouterConfig(
             request_router_class=CacheAwareRequestRouter,  # type: ignore[arg-type]
             request_router_kwargs=kwargs)}

@@ -69,7 +69,7 @@ from .engine_errors import EngineDeadError
 from .executor import RankLocation, UnhealthyRanksError
 from .metrics import EngineMetrics
 from .output_processor import RequestOutputProcessor
-from .request import GenerationParams, RequestOutput
+from .request import GenerationParams
 
 logger = logging.getLogger(__name__)
 
@@ -239,7 +239,7 @@ class ProcessEngine(EngineClient):
                     if message[2] and self._event_sink is not None:
                         for event in message[2]:
                             self._event_sink(event)
-                    self._dispatch(message[1])
+                    hand_out(self._sinks, message[1])  # the child held back what's not due
                 elif kind == "state":
                     self.engine.state = message[1]
                 elif kind == "error":
@@ -303,10 +303,6 @@ class ProcessEngine(EngineClient):
                 self._on_error(error)
             except Exception:
                 logger.exception("the engine's on_error callback failed")
-
-    def _dispatch(self, items: list[tuple[str, list[RequestOutput]]]) -> None:
-        hand_out(self._sinks, items)  # the engine process held back what was not due
-
 
 def engine_process_pid(engine: EngineClient) -> int | None:
     """The engine process's id (None: the engine steps in this process)."""

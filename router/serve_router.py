@@ -9,10 +9,11 @@ again, `HOLDER_TRIES` times in all, if it misses Serve's queue-length deadline),
 so a full replica never holds a request back. Serve keeps health checks, retries and autoscaling.
 The replica chosen for a request goes to that request (`request_matching.py`).
 
-A deployment of one replica that can't grow (`fixed_replicas=1`: no autoscaling) has no choice
-to make: its requests go to that replica without asking the actor (a round trip on each
-request's path, 3-4 ms of a lone request's time to first token on 2 cores), and the actor,
-which still takes the replica's cache events and load, records no decisions.
+A deployment of one replica that can't grow (`sole_replica`: no autoscaling) has no choice to
+make and no router actor (`deploy/app.py`): its requests go to that replica without a round
+trip (3-4 ms of a lone request's time to first token on 2 cores), and the replica set is not
+sent anywhere. Were a second replica up (a rolling update), the missing actor sends its requests
+by load.
 """
 
 from __future__ import annotations
@@ -50,13 +51,13 @@ HOLDER_TRIES = 3
 class CacheAwareRequestRouter(OwnRequestRouter):
     def initialize_state(  # type: ignore[override]
         self, app_name: str | None = None, decision_timeout_s: float = 0.05,
-        fixed_replicas: int | None = None,
+        sole_replica: bool = False,
     ) -> None:
         """`app_name` names the router actor; default: the deployment's application.
-        `fixed_replicas`: the deployment's replica count when it can't change (no autoscaling)."""
+        `sole_replica`: the deployment is one replica that can't grow (no router actor)."""
         self._app_name = app_name
         self._decision_timeout_s = decision_timeout_s
-        self._sole_replica = fixed_replicas == 1
+        self._sole_replica = sole_replica
         self.num_sole = 0  # requests sent to the one replica without a decision
         self._actor: ActorHandle[RouterActor] | None = None
         self._lookup_failed_at = -LOOKUP_RETRY_S
@@ -73,6 +74,8 @@ class CacheAwareRequestRouter(OwnRequestRouter):
     def _sync_replicas(self) -> None:
         """Tell the router actor the live replicas, without waiting (it may not exist yet:
         the first replica creates it, and `route` registers the candidates it is given)."""
+        if self._sole_replica:
+            return  # no router actor to tell
         names = sorted(r.unique_id for r in self.curr_replicas)
         try:
             self._router_actor().set_replicas.remote(names)

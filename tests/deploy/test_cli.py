@@ -57,10 +57,10 @@ def test_router_flags_pick_the_request_router() -> None:
         balance_rel_threshold=2.0, saturated_kv_usage=0.8)
     options = request_router_options(config)["request_router_config"]
     assert options.get_request_router_class() is CacheAwareRequestRouter
-    assert options.request_router_kwargs == {"decision_timeout_s": 0.2, "fixed_replicas": 1}
+    assert options.request_router_kwargs == {"decision_timeout_s": 0.2, "sole_replica": True}
     autoscaled = config.model_copy(update={"autoscaling": AutoscalingSettings(max_replicas=3)})
     assert request_router_options(autoscaled)["request_router_config"].request_router_kwargs[
-        "fixed_replicas"] is None
+        "sole_replica"] is False
     config = parse("--router", "round_robin")
     assert routing_policy(config) is None
     assert (request_router_options(config)["request_router_config"].get_request_router_class()

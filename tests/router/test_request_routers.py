@@ -239,14 +239,13 @@ def test_ray_prefix_router_gives_each_call_of_one_api_request_its_own_replica(
     assert asyncio.run(run()) == ["r1", "r2"]
 
 
-@pytest.mark.parametrize("fixed_replicas, candidates, asks", [
-    (1, ("r0",), False),  # one replica that can't grow: no choice, no round trip
-    (1, ("r0", "r1"), True),  # a rolling update's second replica: a choice again
-    (None, ("r0",), True),  # autoscaled: the actor's record of decisions serves the next ones
-    (2, ("r0",), True),  # the second of two replicas is not up yet
+@pytest.mark.parametrize("sole_replica, candidates, asks", [
+    (True, ("r0",), False),  # one replica that can't grow: no choice, no round trip
+    (True, ("r0", "r1"), True),  # a rolling update's second replica: a choice again
+    (False, ("r0",), True),  # autoscaled, or the second of two not up yet: decisions count
 ])
 def test_cache_aware_asks_the_actor_only_when_there_is_a_choice(
-    monkeypatch: pytest.MonkeyPatch, fixed_replicas: int | None, candidates: tuple[str, ...],
+    monkeypatch: pytest.MonkeyPatch, sole_replica: bool, candidates: tuple[str, ...],
     asks: bool,
 ) -> None:
     asked = fake_router_actor(monkeypatch, candidates[-1])
@@ -254,7 +253,7 @@ def test_cache_aware_asks_the_actor_only_when_there_is_a_choice(
     async def run() -> tuple[list[list[str]], int]:
         router = CacheAwareRequestRouter(deployment_id=DEPLOYMENT,
                                          handle_source=DeploymentHandleSource.UNKNOWN)
-        router.initialize_state(decision_timeout_s=1.0, fixed_replicas=fixed_replicas)
+        router.initialize_state(decision_timeout_s=1.0, sole_replica=sole_replica)
         replicas = [FakeReplica(u) for u in candidates]
         chosen = ranks(await router.choose_replicas(replicas, FakePending()))  # type: ignore[arg-type]
         return chosen, router.num_sole
