@@ -20,6 +20,7 @@ from raydix.router.serve_router import CacheAwareRequestRouter, RoundRobinReques
 from .capacity import Shortfall, check_replicas_fit, replica_resources
 from .config import AppConfig
 from .cpu_threads import default_cpu_threads
+from .engine_ingress import LocalEngine
 from .engine_settings import attention_backend, engine_config, resolve_device, routing_policy
 from .ingress import OpenAIIngress
 from .model_path import driver_tokenizer, resolve_model_path
@@ -52,7 +53,8 @@ def build_app(config: AppConfig) -> Application:
 
 def bind_app(config: AppConfig, engine_factory: EngineFactory = build_engine) -> Application:
     """Bind the stats board, the engine deployment (engines made by `engine_factory`) and the
-    ingress for `config`. The default model is converted here, once, before any replica.
+    ingress for `config`; with one fixed replica (`engine_serves_http`), the engine replica is
+    the ingress too. The default model is converted here, once, before any replica.
 
     Connected to a Ray cluster, a replica that no node could hold, or more replicas than the
     nodes hold, are refused here with a ValueError (Serve would keep them pending without
@@ -66,29 +68,15 @@ def bind_app(config: AppConfig, engine_factory: EngineFactory = build_engine) ->
                        "add %s", shortfall.describe())
     model_path = resolve_model_path(config)
     engine = engine_config(config, model_path, device)
-    scaling: dict[str, object]
+    scaling: dict[str, Any]
     if config.autoscaling is not None:
         scaling = {"autoscaling_config": config.autoscaling.model_dump()}
     else:
         scaling = {"num_replicas": config.replicas}
-    placement: dict[str, object] = {}
+    placement: dict[str, Any] = {}
     if bundles is not None:
         placement = {"placement_group_bundles": bundles,
                      "placement_group_strategy": "STRICT_PACK"}
-    engine_deployment = _deployment(
-        EngineServer, rolling_update_percentage=config.rolling_update_percentage).options(
-        name=ENGINE_DEPLOYMENT,
-        # above the engine's own admission bound, so the engine answers "overloaded" (503)
-        max_ongoing_requests=config.max_running_requests + config.max_waiting_requests + 64,
-        ray_actor_options=engine_actor_options(where),
-        health_check_period_s=config.health_check_period_s,
-        health_check_timeout_s=60,
-        graceful_shutdown_timeout_s=config.shutdown_timeout,
-        graceful_shutdown_wait_loop_s=GRACEFUL_WAIT_LOOP_S,
-        **scaling,  # type: ignore[arg-type]
-        **placement,  # type: ignore[arg-type]
-        **request_router_options(config),  # type: ignore[arg-type]
-    )
     board = _deployment(StatsBoard).options(
         name=STATS_BOARD_DEPLOYMENT, num_replicas=1,
         ray_actor_options={"num_cpus": 0, "runtime_env": replica_runtime_env(True)},
@@ -96,6 +84,34 @@ def bind_app(config: AppConfig, engine_factory: EngineFactory = build_engine) ->
         logging_config={"enable_access_log": False},  # a report per replica per second
     ).bind()
     settings = replica_settings(config, use_gpu and not where.gpu_in_replica, cpu_threads)
+    ingress_args = (model_path, config.model_name, engine.scheduler.max_context_len,
+                    config.max_request_bytes, api_key_of(config))
+    ingress_kwargs = {"schedule_policy": engine.scheduler.schedule_policy,
+                      "tool_call_parser": config.tool_call_parser,
+                      "tokenizer": driver_tokenizer(model_path)}
+    replica_options: dict[str, Any] = {
+        "name": ENGINE_DEPLOYMENT,
+        "ray_actor_options": engine_actor_options(where),
+        "health_check_period_s": config.health_check_period_s,
+        "health_check_timeout_s": 60,
+        "graceful_shutdown_timeout_s": config.shutdown_timeout,
+        "graceful_shutdown_wait_loop_s": GRACEFUL_WAIT_LOOP_S,
+    }
+    if engine_serves_http(config, where):  # the one engine replica is the ingress too
+        return _deployment(
+            OpenAIIngress, rolling_update_percentage=config.rolling_update_percentage).options(
+            num_replicas=1, max_ongoing_requests=MAX_INGRESS_ONGOING_REQUESTS, **replica_options,
+        ).bind(None, board, *ingress_args, **ingress_kwargs,
+               local_engine=LocalEngine(engine, settings, engine_factory))
+    engine_deployment = _deployment(
+        EngineServer, rolling_update_percentage=config.rolling_update_percentage).options(
+        # above the engine's own admission bound, so the engine answers "overloaded" (503)
+        max_ongoing_requests=config.max_running_requests + config.max_waiting_requests + 64,
+        **replica_options,
+        **scaling,
+        **placement,
+        **request_router_options(config),  # type: ignore[arg-type]
+    )
     # one replica that can't grow: no choice to make, so no router actor, no load reports and
     # no cache events (the request router sends everything to it: `sole_replica`)
     policy = None if one_fixed_replica(config) else routing_policy(config)
@@ -108,13 +124,8 @@ def bind_app(config: AppConfig, engine_factory: EngineFactory = build_engine) ->
         graceful_shutdown_wait_loop_s=GRACEFUL_WAIT_LOOP_S,
         ray_actor_options={"num_cpus": 0, "runtime_env": replica_runtime_env(True)},
     )
-    app = ingress.bind(engine_app, board, model_path, config.model_name,
-                       engine.scheduler.max_context_len, config.max_request_bytes,
-                       api_key_of(config), cache_aware_router=policy is not None,
-                       schedule_policy=engine.scheduler.schedule_policy,
-                       tool_call_parser=config.tool_call_parser,
-                       tokenizer=driver_tokenizer(model_path))
-    return app
+    return ingress.bind(engine_app, board, *ingress_args, cache_aware_router=policy is not None,
+                        **ingress_kwargs)
 
 
 class EnginePlacement(NamedTuple):
@@ -212,6 +223,14 @@ def _deployment(cls: type, **options: Any) -> Deployment:
     """`serve.deployment` on a class (its overloads type the plain call as a decorator), with
     the options that `Deployment.options` does not take."""
     return cast(Deployment, serve.deployment(cls, **options))
+
+
+def engine_serves_http(config: AppConfig, placement: EnginePlacement) -> bool:
+    """Whether the one engine replica is its own HTTP ingress (`engine_ingress.py`): one fixed
+    replica whose engine steps in its engine process, and one ingress replica."""
+    return (one_fixed_replica(config) and config.ingress_replicas == 1
+            and not config.separate_ingress and not config.disable_engine_process
+            and placement.bundles is None)
 
 
 def one_fixed_replica(config: AppConfig) -> bool:

@@ -249,6 +249,11 @@ class AppConfig(BaseModel):
         "itself (direct ingress: one hop less per stream chunk; used with a local Ray and one "
         "ingress replica, see deploy/direct_ingress.py)"
     )
+    separate_ingress: bool = Field(
+        False, description="with one fixed engine replica: serve HTTP from an ingress replica "
+        "of its own, not from the engine replica itself (by default the one replica is its own "
+        "ingress: one process less on each token's path, see deploy/engine_ingress.py)"
+    )
     disable_engine_process: bool = Field(
         False, description="with tp 1: step each replica's engine on a thread of the replica "
         "instead of in a process of its own (the default, as vLLM's engine core: the step no "

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from .server import EngineServer
     from .stats_board import StatsBoard
 
+from .engine_ingress import HostsEngine, LocalEngine, LocalEngineHandle, start_engine_server
 from .errors import ApiError, bad_request, from_validation_error, too_large, unauthorized
 from .generation import ChoiceStreams, make_choices
 from .metrics import IngressMetrics, render_metrics
@@ -98,20 +99,30 @@ async def _server_error(_: Request, error: Exception) -> JSONResponse:
 
 
 @serve.ingress(app)
-class OpenAIIngress:
-    def __init__(self, engine: "DeploymentHandle[EngineServer]",
+class OpenAIIngress(HostsEngine):
+    def __init__(self, engine: "DeploymentHandle[EngineServer] | None",
                  stats_board: "DeploymentHandle[StatsBoard]",
                  model_path: str, model_name: str, max_context_len: int,
                  max_request_bytes: int, api_key: str | None = None,
                  cache_aware_router: bool = False, schedule_policy: str = "fcfs",
-                 tool_call_parser: str = "auto", tokenizer: Any = None) -> None:
+                 tool_call_parser: str = "auto", tokenizer: Any = None,
+                 local_engine: LocalEngine | None = None) -> None:
         """`tokenizer`: the model's tokenizer as the app's builder loaded it (AutoTokenizer),
         handed over pickled: unpickling needs only transformers' tokenizer classes, where
         loading with AutoTokenizer here would import torch (about 4 s of CPU and 300 MB in a
-        replica that computes nothing). Without it the folder's tokenizer is loaded here."""
+        replica that computes nothing). Without it the folder's tokenizer is loaded here.
+        `local_engine` (with `engine` None): this replica is the engine replica too
+        (`engine_ingress.py`)."""
         take_normal_priority("the ingress")  # every request and token passes here (priority.py)
-        self.engine = local_handle(engine)
         self.stats_board = local_handle(stats_board)
+        self.engine: Any
+        if local_engine is not None:
+            self.engine_server = start_engine_server(local_engine, stats_board)
+            self.engine = LocalEngineHandle(self.engine_server)
+        elif engine is not None:
+            self.engine = local_handle(engine)
+        else:
+            raise ValueError("the ingress needs the engine deployment's handle or a local engine")
         if tokenizer is None:
             from transformers import AutoTokenizer
 

@@ -6,6 +6,9 @@ from __future__ import annotations
 import time
 
 from ray.serve import RunTarget
+from ray.serve.deployment import Application, Deployment
+
+from raydix.deploy.server import ReplicaSettings
 
 
 def run_apps(*targets: RunTarget, timeout_s: float = 180.0) -> None:
@@ -41,3 +44,24 @@ def delete_apps(*names: str, timeout_s: float = 60.0) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError(f"apps {names} still listed {timeout_s:g} s after their delete")
         time.sleep(0.1)
+
+
+def engine_deployment(app: Application) -> Deployment:
+    """The engine replicas' deployment of a bound raydix app: the app itself where the one
+    engine replica is its own ingress (`deploy/engine_ingress.py`), else the ingress's engine
+    argument."""
+    from raydix.deploy.app import ENGINE_DEPLOYMENT
+
+    if app._bound_deployment.name == ENGINE_DEPLOYMENT:
+        return app._bound_deployment
+    engine = next(a for a in app._bound_deployment.init_args if isinstance(a, Application))
+    return engine._bound_deployment
+
+
+def replica_settings_of(app: Application) -> ReplicaSettings:
+    """What the bound app tells its engine replicas beyond the engine config."""
+    deployment = engine_deployment(app)
+    local = deployment.init_kwargs.get("local_engine")
+    settings = local.settings if local is not None else deployment.init_args[1]
+    assert isinstance(settings, ReplicaSettings)
+    return settings

@@ -6,12 +6,15 @@ from __future__ import annotations
 
 from dataclasses import fields
 
+from ray.serve.deployment import Application
+
 from raydix.deploy.app import replica_settings
 from raydix.deploy.config import AppConfig
 from raydix.deploy.engine_settings import engine_config
 from raydix.deploy.server import ReplicaSettings
 from raydix.engine.config import SchedulerConfig
 from raydix.workers.config import WorkerConfig
+from tests.serve_apps import engine_deployment
 
 WORKER_FIELDS = ("mem_fraction_static", "cpu_memory_budget_bytes", "ds_heavy_channel_num",
                  "ds_heavy_token_num", "ds_sparse_decode_threshold", "page_size",
@@ -66,26 +69,59 @@ def test_app_settings_reach_the_replica() -> None:
 
 def test_the_rolling_update_share_reaches_the_engine_deployment(model_folder: str) -> None:
     from ray.serve._private.config import DeploymentConfig
-    from ray.serve.deployment import Application
 
     from raydix.deploy.app import bind_app
 
     def engine_share(config: AppConfig) -> float:
-        app = bind_app(config)
-        engine = next(a for a in app._bound_deployment.init_args if isinstance(a, Application))
-        return float(engine._bound_deployment._deployment_config.rolling_update_percentage)
+        engine = engine_deployment(bind_app(config))
+        return float(engine._deployment_config.rolling_update_percentage)
 
     base = AppConfig(model=model_folder, device="cpu")
-    assert engine_share(base) == DeploymentConfig().rolling_update_percentage  # Serve's default
-    assert engine_share(base.model_copy(update={"rolling_update_percentage": 1.0})) == 1.0
+    for config in (base, base.model_copy(update={"separate_ingress": True})):
+        # Serve's default, whether the engine replica is its own ingress or not
+        assert engine_share(config) == DeploymentConfig().rolling_update_percentage
+        assert engine_share(config.model_copy(update={"rolling_update_percentage": 1.0})) == 1.0
+
+
+def test_one_fixed_replica_is_its_own_ingress(model_folder: str) -> None:
+    """One engine replica that can't grow, stepping in its engine process, with one ingress
+    replica: the app is that replica alone (besides the stats board), with the engine's name
+    and resources, and the engine built inside it (`engine_ingress.py`); any other shape keeps
+    an ingress deployment of its own in front of the engine deployment."""
+    from raydix.deploy.app import (
+        ENGINE_DEPLOYMENT,
+        INGRESS_DEPLOYMENT,
+        STATS_BOARD_DEPLOYMENT,
+        bind_app,
+    )
+    from raydix.deploy.config import AutoscalingSettings
+    from raydix.deploy.engine_ingress import LocalEngine
+
+    base = AppConfig(model=model_folder, device="cpu", cpu_threads=2)
+    app = bind_app(base)
+    root = app._bound_deployment
+    assert root.name == ENGINE_DEPLOYMENT
+    assert root.init_args[0] is None  # no handle: the engine is local
+    local = root.init_kwargs["local_engine"]
+    assert isinstance(local, LocalEngine) and local.settings.engine_process
+    assert local.settings.cpu_threads == 2
+    assert root.ray_actor_options["num_cpus"] == 2  # the engine's CPUs, not the ingress's 0
+    assert root._deployment_config.num_replicas == 1
+    bound = [a._bound_deployment.name for a in root.init_args if isinstance(a, Application)]
+    assert bound == [STATS_BOARD_DEPLOYMENT]  # no engine deployment behind it
+    for split in ({"separate_ingress": True}, {"replicas": 2}, {"ingress_replicas": 2},
+                  {"disable_engine_process": True},
+                  {"autoscaling": AutoscalingSettings(max_replicas=2)}):
+        app = bind_app(base.model_copy(update=split))
+        assert app._bound_deployment.name == INGRESS_DEPLOYMENT, split
+        assert app._bound_deployment.init_kwargs.get("local_engine") is None, split
+        assert engine_deployment(app).name == ENGINE_DEPLOYMENT, split
 
 
 def test_one_fixed_replica_has_no_router_actor_to_feed(model_folder: str) -> None:
     """One replica that can't grow: its requests need no decision, so it reports nothing to a
     router actor (no load reports, no cache events) and /metrics shows no router series; two
     replicas, or one that may grow, do."""
-    from ray.serve.deployment import Application
-
     from raydix.deploy.app import bind_app
     from raydix.deploy.config import AutoscalingSettings
 
@@ -95,7 +131,7 @@ def test_one_fixed_replica_has_no_router_actor_to_feed(model_folder: str) -> Non
         return (engine._bound_deployment.init_kwargs["routing"],
                 app._bound_deployment.init_kwargs["cache_aware_router"])
 
-    base = AppConfig(model=model_folder, device="cpu", cpu_threads=1)
+    base = AppConfig(model=model_folder, device="cpu", cpu_threads=1, separate_ingress=True)
     assert routing(base) == (None, False)
     for grows in (base.model_copy(update={"replicas": 2}),
                   base.model_copy(update={"autoscaling": AutoscalingSettings(max_replicas=2)})):

@@ -110,13 +110,16 @@ def metric(url: str, name: str) -> float:
 
 def test_the_ingress_replica_listens_on_the_port(server: Server) -> None:
     owner = listener_of(server.port, server.proc.pid)
-    assert "OpenAIIngress" in owner, owner  # not Serve's proxy: no hop between
+    # the one engine replica is its own ingress (engine_ingress.py), and it answers HTTP
+    # itself, not Serve's proxy: no hop between
+    assert "ServeReplica:raydix:EngineServer" in owner, owner
     assert "ProxyActor" not in owner
 
 
 def test_the_ingress_replica_does_not_load_torch(server: Server) -> None:
-    """The ingress computes nothing: its tokenizer comes from the app's builder, pickled, and
-    unpickling it loads no torch (loading it with AutoTokenizer there did: ~4 s of CPU)."""
+    """The replica that serves HTTP computes nothing (its engine steps in the engine process):
+    its tokenizer comes from the app's builder, pickled, and unpickling it loads no torch
+    (loading it with AutoTokenizer there did: ~4 s of CPU)."""
     pid = listener_pid(server.port, server.proc.pid)
     assert pid
     assert "libtorch" not in Path(f"/proc/{pid}/maps").read_text()

@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from ray.serve.deployment import Application
 
 from raydix.deploy.app import bind_app
 from raydix.deploy.capacity import replica_resources
@@ -18,17 +17,15 @@ from raydix.deploy.config import AppConfig
 from raydix.deploy.engine_settings import engine_config
 from raydix.deploy.replica_facts import replica_facts
 from raydix.deploy.server import ReplicaSettings, runs_in_engine_process
+from tests.serve_apps import engine_deployment, replica_settings_of
 
 
 def _engine(config: AppConfig) -> tuple[dict[str, Any], list[dict[str, float]] | None,
                                          ReplicaSettings]:
     """The engine deployment's actor options, placement group bundles and replica settings."""
     app = bind_app(config)
-    engine = next(a for a in app._bound_deployment.init_args if isinstance(a, Application))
-    deployment = engine._bound_deployment
-    settings = deployment.init_args[1]
-    assert isinstance(settings, ReplicaSettings)
-    replica = deployment._replica_config
+    settings = replica_settings_of(app)
+    replica = engine_deployment(app)._replica_config
     return dict(replica.ray_actor_options), replica.placement_group_bundles, settings
 
 

@@ -230,20 +230,47 @@ def test_the_thread_setting_reaches_the_replica(server: str) -> None:
 
 @pytest.mark.ray
 @pytest.mark.slow
-def test_the_ingress_runs_at_the_normal_priority(server: str) -> None:
-    """Every request and token passes through the ingress: left at Ray's nice 15 beside a busy
-    engine replica (nice 0), its event loop stood still for 100-300 ms at a time (priority.py)."""
+def test_the_one_replica_serves_http_itself_at_the_normal_priority(server: str) -> None:
+    """Every request and token passes through the replica that serves HTTP. With one fixed
+    replica that is the engine replica itself (`engine_ingress.py`): no ingress replica of its
+    own, and the one replica at nice 0, not Ray's 15 (priority.py)."""
     import ray
 
-    from raydix.deploy.app import INGRESS_DEPLOYMENT
+    from raydix.deploy.app import ENGINE_DEPLOYMENT, INGRESS_DEPLOYMENT
 
     names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-             if f"{APP}#{INGRESS_DEPLOYMENT}#" in a["name"]]
-    assert len(names) == 1, names
+             if f"{APP}#" in a["name"]]
+    assert [n for n in names if f"#{INGRESS_DEPLOYMENT}#" in n] == [], names
+    engines = [n for n in names if f"#{ENGINE_DEPLOYMENT}#" in n]
+    assert len(engines) == 1, names
 
     def nice(_: object = None) -> int:
         return os.getpriority(os.PRIO_PROCESS, 0)
 
-    ingress = ray.get_actor(names[0], namespace="serve")
-    assert ray.get(ingress.__ray_call__.remote(nice), timeout=30) == 0
+    replica = ray.get_actor(engines[0], namespace="serve")
+    assert ray.get(replica.__ray_call__.remote(nice), timeout=30) == 0
     assert ray.get(ray.remote(num_cpus=0)(nice).remote(), timeout=30) > 0  # a plain worker
+
+
+def test_an_ingress_of_its_own_takes_the_normal_priority(tiny_llama: Path) -> None:
+    """An ingress replica of its own (several engine replicas, or `--separate-ingress`) left at
+    Ray's nice 15 beside a busy engine replica (nice 0) had its event loop stand still for
+    100-300 ms at a time; its constructor takes nice 0. Here the class that `@serve.ingress`
+    wraps, built in a process started at nice 15."""
+    code = textwrap.dedent(f"""
+        import os
+        os.nice(15)
+        from transformers import AutoTokenizer
+        from raydix.deploy.ingress import OpenAIIngress
+        wrapped = OpenAIIngress.__bases__[0]  # the class itself, under Serve's ASGI wrapper
+        assert wrapped.__name__ == "OpenAIIngress", wrapped
+        ingress = object.__new__(OpenAIIngress)
+        tokenizer = AutoTokenizer.from_pretrained({str(tiny_llama)!r})
+        wrapped.__init__(ingress, object(), None, {str(tiny_llama)!r}, "m", 256, 1 << 20,
+                         tokenizer=tokenizer)
+        print(os.getpriority(os.PRIO_PROCESS, 0), ingress.engine_server is None)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300, cwd=Path(__file__).resolve().parents[2])
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split()[-2:] == ["0", "True"], out.stdout
