@@ -29,9 +29,10 @@ eagerly, as `eligible` says.
 
 Decode steps of two or more requests run a second graph (bf16 and fp32, `BATCHED_DTYPES`): the
 same layer traced for a batch whose size and key count are dynamic (one compile serves every
-batch), its linear layers the GEMM library's products as the eager step calls them (bf16:
-inductor's own call; fp32: oneDNN's, as `raydix::onednn_linear`, where inductor would call MKL's
-sgemm, slower on AMD CPUs) and everything between them fused, attention the paged kernel on each
+batch), its linear layers the products the eager step calls (the small-GEMM kernel up to 32
+rows in bf16 and 16 in fp32 where the CPU computes the dtype, `layers/small_gemm.py`; past that,
+or elsewhere, bf16: inductor's own call; fp32: oneDNN's, as `raydix::onednn_linear`, where
+inductor would call MKL's sgemm, slower on AMD CPUs) and everything between them fused, attention the paged kernel on each
 request's pages (the `raydix::paged_decode` operator, attention/paged_decode.py; where it could
 not be built, its plain-ops source traced). A mixed workload's decode steps (SmolLM2-135M, two threads, mean of 112
 steps of 1-16 requests) took 42-45 ms against 62 eagerly in bf16, 65-67 against 76-78 in fp32.

@@ -92,10 +92,11 @@ class ModelRunner:
             if packing_supported(self.device, dtype):
                 if not use_graph:
                     pack_linear_layers(self.model, config.max_running_requests)  # the only copy
-                elif dtype in PACKED_HEAD_DTYPES:  # the graph reads the layers' weights plain
-                    pack_linear_layers(self.model, config.max_running_requests, ParallelLMHead)
-                    if dtype == torch.bfloat16:  # their products of a few rows (small_gemm.py)
-                        small_gemm.warm_up()
+                else:  # the graph reads the layers' weights plain
+                    if dtype in PACKED_HEAD_DTYPES:
+                        pack_linear_layers(self.model, config.max_running_requests,
+                                           ParallelLMHead)
+                    small_gemm.warm_up()  # their products of a few rows (small_gemm.py)
             else:
                 logger.warning("linear layers run unpacked in %s: oneDNN packing covers float32, "
                                "and bfloat16 where the CPU has native bf16 (avx512_bf16 or amx; "

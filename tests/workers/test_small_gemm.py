@@ -70,7 +70,7 @@ def test_the_threads_split_the_work_not_the_result() -> None:
 
 
 def test_more_rows_take_torchs_product() -> None:
-    x, w = _case(small_gemm.MAX_ROWS + 1, 40, 64, 1)
+    x, w = _case(small_gemm.MAX_ROWS[torch.bfloat16] + 1, 40, 64, 1)
     assert torch.equal(small_gemm.small_gemm(x, w), torch.mm(x, w.t()))
 
 
@@ -83,7 +83,7 @@ def test_linear_takes_it_for_a_few_bf16_rows_only() -> None:
                                (x.double() @ w.double().T + bias.double()), atol=3e-2, rtol=2e-2)
     assert not small_gemm.serves(x.float(), w.float())  # float32: oneDNN's product
     assert not small_gemm.serves(x, w.t().contiguous().t())  # a weight view: torch's
-    many, _ = _case(small_gemm.MAX_ROWS + 5, 48, 64, 4)
+    many, _ = _case(small_gemm.MAX_ROWS[torch.bfloat16] + 5, 48, 64, 4)
     with torch.profiler.profile() as prof:
         linear(many, w, None)  # eagerly, past MAX_ROWS: torch's product, not the operator
         linear(x, w, None)

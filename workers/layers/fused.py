@@ -65,8 +65,11 @@ class FusedOps:
         """Write K/V [T, Hk, D] into the pool's slot-indexed buffers [num_slots, Hk, D] at
         `slots` [T] (int32 or int64). `page_size` divides num_slots: slot s is entry
         s % page_size of page s // page_size (what a paged kernel needs)."""
-        k_buf[slots] = k.to(k_buf.dtype)
-        v_buf[slots] = v.to(v_buf.dtype)
+        # index_copy_, not `k_buf[slots] = k`: on the CPU, index_put_ with int64 indices
+        # writes a 512-token prompt's K in 1.2-1.7 ms, index_copy_ in 0.16 (the same result)
+        index = slots if slots.dtype == torch.int64 else slots.long()
+        k_buf.index_copy_(0, index, k.to(k_buf.dtype))
+        v_buf.index_copy_(0, index, v.to(v_buf.dtype))
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

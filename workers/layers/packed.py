@@ -88,9 +88,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor | None, packed: torch.Tensor | 
         # the GEMM library, which computes one row at about half the memory bandwidth
         y = (x[:, None, :] * weight[None]).sum(-1)
         return y if bias is None else y + bias
-    if small_gemm.serves(x, weight) and (torch.compiler.is_compiling()
-                                         or x.shape[0] <= small_gemm.MAX_ROWS):
-        # bf16, a few rows (the batched decode graph's products: it picks by rows at run time)
+    if small_gemm.serves(x, weight) and (
+            torch.compiler.is_compiling()
+            or x.shape[0] <= small_gemm.MAX_ROWS.get(x.dtype, 0)):
+        # a few rows (the batched decode graph's products: it picks by rows at run time)
         y = torch.ops.raydix.small_gemm(x, weight)
         return y if bias is None else y + bias
     if (weight.device.type == "cpu" and weight.dtype == torch.float32 and x.dtype == weight.dtype

@@ -1,17 +1,20 @@
-"""Linear layers of a few rows on a plain bf16 weight (CPU, AVX-512 BF16): `small_gemm.c`.
+"""Linear layers of a few rows on a plain weight (CPU): `small_gemm.c`, in bf16 (AVX-512 BF16)
+and float32 (AVX2 + FMA).
 
 The CPU decode graph keeps the decoder layers' weights plain (one copy, read by its one-row
 multiply-and-sum), so a decode step of several requests multiplies them unpacked, and the GEMM
-library then reads each weight at a fraction of the memory bandwidth (30 layers of SmolLM2's
-shapes, two threads, cold caches: 18-20 ms at 1-4 rows and 26 ms at 16 against 10-12 and 15 ms
-on oneDNN-packed weights). This kernel reads each weight block once for all the rows: 7-8 ms at
-1-4 rows, 16-18 ms at 8-16 (`benchmarks/small_gemm_bench.py`). It runs as the
-`raydix::small_gemm` operator, so the batched decode graph calls it as one opaque step; larger
-products, and every other dtype or device, stay torch's.
+library then reads each weight at a fraction of the memory bandwidth. bf16 (30 layers of
+SmolLM2's shapes, two threads, cold caches): 18-20 ms at 1-4 rows and 26 ms at 16 against 10-12
+and 15 ms on oneDNN-packed weights; the kernel 7-8 ms at 1-4 rows, 16-18 ms at 8-16. float32 on
+an AVX2 Zen 3 (425 MB of weights, 21.8 ms at the machine's 19.5 GB/s): oneDNN on the plain
+weights 42-66 ms at 2-16 rows (`benchmarks/small_gemm_bench.py --dtype float32`). The kernel
+reads each weight block once for all the rows. It runs as the `raydix::small_gemm` operator,
+so the batched decode graph calls it as one opaque step; larger products, and every other
+dtype or device, stay torch's.
 
 Built with the host compiler at start (`warm_up`, under a second, then loaded from
-`~/.cache/raydix/kernels`); where the CPU has no AVX-512 BF16 or no compiler works, it is not
-used and torch's product runs, as before.
+`~/.cache/raydix/kernels`); a dtype whose instructions the CPU lacks (AVX-512 BF16 for bf16,
+AVX2 and FMA for float32), or a machine where no compiler works, keeps torch's product.
 """
 
 from __future__ import annotations
@@ -27,52 +30,74 @@ from ..native_build import NativeBuildError, load
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("small_gemm.c")
-# more rows than this: torch's product (at 64 rows the GEMM library is as fast)
-MAX_ROWS = 32
+# more rows than this: torch's product (bf16: at 64 rows the GEMM library is as fast; float32:
+# at 32 rows oneDNN on the plain weight is, 84 against 86-90 ms over 30 layers on a Zen 3)
+MAX_ROWS = {torch.bfloat16: 32, torch.float32: 16}
 
 _library: ctypes.CDLL | None = None
+_DTYPES: frozenset[torch.dtype] = frozenset()  # what the built kernel computes on this CPU
 
 
 def warm_up() -> bool:
-    """Build (or load) the kernel; False, logged once, where it cannot run here."""
-    global _library
+    """Build (or load) the kernel; False, logged once, where it runs for no dtype here."""
+    global _library, _DTYPES
     if _library is not None:
         return True
     argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     try:
-        lib = load(SOURCE, {}, {"small_gemm_bf16": argtypes})
+        lib = load(SOURCE, {}, {"small_gemm_bf16": argtypes, "small_gemm_f32": argtypes})
     except (NativeBuildError, OSError) as exc:
-        logger.warning("bf16 products of a few rows use torch's GEMM on the plain weights: the "
+        logger.warning("products of a few rows use torch's GEMM on the plain weights: the "
                        "small-GEMM kernel could not be built: %s", exc)
         return False
-    if not lib.small_gemm_native():
+    dtypes = {dtype for dtype, native in ((torch.bfloat16, lib.small_gemm_native()),
+                                          (torch.float32, lib.small_gemm_f32_native())) if native}
+    if torch.bfloat16 not in dtypes:
         logger.info("bf16 products of a few rows use torch's GEMM: this CPU has no AVX-512 BF16")
+    if not dtypes:
         return False
-    _library = lib
+    _library, _DTYPES = lib, frozenset(dtypes)
     return True
 
 
+def computes(dtype: torch.dtype) -> bool:
+    """The kernel is built and computes `dtype` on this CPU."""
+    return _library is not None and dtype in _DTYPES
+
+
 def serves(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether `x @ weight.T` goes through the kernel: built here, bf16 rows on the CPU against
-    a plain contiguous `[out, in]` bf16 weight."""
+    """Whether `x @ weight.T` goes through the kernel: built here, bf16 or float32 rows (as
+    this CPU computes them) on the CPU against a plain contiguous `[out, in]` weight of the
+    same dtype."""
     return (_library is not None and x.dim() == 2 and weight.dim() == 2
-            and x.dtype == weight.dtype == torch.bfloat16 and x.device.type == "cpu"
+            and x.dtype == weight.dtype and x.dtype in _DTYPES and x.device.type == "cpu"
             and weight.device.type == "cpu" and weight.is_contiguous()
             and x.shape[1] == weight.shape[1])
 
 
 @torch.library.custom_op("raydix::small_gemm", mutates_args=())
 def small_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """`x @ weight.T`: the kernel up to MAX_ROWS rows where it `serves` them, torch's product
-    otherwise."""
+    """`x @ weight.T`: the kernel up to `MAX_ROWS` rows where it `serves` them, the GEMM
+    library's product otherwise."""
     rows, out_features = x.shape[0], weight.shape[0]
-    if _library is None or rows > MAX_ROWS or rows == 0 or not serves(x, weight):
-        return torch.mm(x, weight.t())
+    if _library is None or rows == 0 or rows > MAX_ROWS.get(x.dtype, 0) or not serves(x, weight):
+        return _library_product(x, weight)
     x = x.contiguous()
     y = torch.empty(rows, out_features, dtype=x.dtype)
-    _library.small_gemm_bf16(x.data_ptr(), weight.data_ptr(), y.data_ptr(), rows, out_features,
-                             x.shape[1], torch.get_num_threads())
+    kernel = _library.small_gemm_bf16 if x.dtype == torch.bfloat16 else _library.small_gemm_f32
+    kernel(x.data_ptr(), weight.data_ptr(), y.data_ptr(), rows, out_features, x.shape[1],
+           torch.get_num_threads())
     return y
+
+
+def _library_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The GEMM library's product: oneDNN's for float32 on the CPU (MKL's, which `torch.mm`
+    calls, is 1.4-2.7x slower on AMD CPUs at 4-64 rows: `packed.linear`), else `torch.mm`."""
+    if (x.dtype == weight.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+            and torch.backends.mkldnn.is_available()):
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, None, "none", [], "")
+    return torch.mm(x, weight.t())
 
 
 @small_gemm.register_fake
