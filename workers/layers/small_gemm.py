@@ -30,7 +30,7 @@ from ..native_build import NativeBuildError, load
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("small_gemm.c")
-# more rows than this: torch's product (bf16: at 64 rows the GEMM library is as fast; float32:
+# more rows than this: the GEMM library's product (bf16: at 64 rows the GEMM library is as fast; float32:
 # at 32 rows oneDNN on the plain weight is, 84 against 86-90 ms over 30 layers on a Zen 3)
 MAX_ROWS = {torch.bfloat16: 32, torch.float32: 16}
 
