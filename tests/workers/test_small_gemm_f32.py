@@ -39,9 +39,11 @@ def _check(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
     torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
 
 
-# rows: one, a pair, a pair and one, up to the limit; widths past the blocks of 4 weight rows;
-# depths past the 8-lane steps (a scalar tail)
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 16])
+# rows: the rows kernel's one, pair, and pair and one; the lanes kernel's chunks of 8 and 16
+# rows, part-filled, and several of them, up to the limit; widths past the rows kernel's blocks
+# of 4 weight rows and the lanes kernel's of 12 (and its halves of 6); depths past the 8-lane
+# steps (a scalar tail)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 16, 17, 24, 33, MAX_ROWS])
 @pytest.mark.parametrize(("out_features", "in_features"), [(64, 64), (13, 70), (576, 576),
                                                            (9, 63), (576, 1536)])
 def test_equals_the_product(rows: int, out_features: int, in_features: int) -> None:

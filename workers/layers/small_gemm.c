@@ -160,10 +160,14 @@ void small_gemm_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t 
 #endif
 
 /* ---- float32 (AVX2 + FMA) ----
-   y = x W^T for a few float32 rows against a plain float32 weight `[N, K]`: per block of NF
-   weight rows (read from memory once), the input rows two at a time, each dot product in an
-   8-lane FMA accumulator summed across lanes at the end; the block stays in cache while the
-   row pairs pass over it. The weight rows split between the OpenMP threads. */
+   y = x W^T for a few float32 rows against a plain float32 weight `[N, K]`. Up to
+   F32_ROWS_MAX rows, "rows" kernel: per block of NF weight rows (read from memory once), the
+   input rows two at a time, each dot product in an 8-lane FMA accumulator summed across lanes
+   at the end; the block stays in cache while the row pairs pass over it. More rows, "lanes"
+   kernel: the input is transposed once into chunks of LW rows (`xt`, rows past M zero), and
+   each weight element is broadcast against its chunk's k column, so LW rows advance per
+   FMA pair with no sum across lanes (the rows kernel is bound by its loads and sums there).
+   Both split the weight rows between the OpenMP threads. */
 
 int small_gemm_f32_native(void) {
 #if defined(__AVX2__) && defined(__FMA__)
@@ -211,9 +215,11 @@ static inline float hsum8(__m256 v) {
 ROWS_F32(1)
 ROWS_F32(2)
 
-/* x [M, K], w [N, K], y [M, N]: float32, row-major, contiguous; M >= 1 */
-void small_gemm_f32(const float *x, const float *w, float *y, int64_t M, int64_t N, int64_t K,
-                    int threads) {
+#define F32_ROWS_MAX 4 /* the rows kernel takes up to this many input rows */
+#define NLB 12         /* weight rows per block, lanes kernel */
+
+static void f32_rows(const float *x, const float *w, float *y, int64_t M, int64_t N, int64_t K,
+                     int threads) {
   const int64_t blocks = (N + NF - 1) / NF;
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (int64_t b = 0; b < blocks; b++) {
@@ -228,6 +234,82 @@ void small_gemm_f32(const float *x, const float *w, float *y, int64_t M, int64_t
     for (; m0 + 2 <= M; m0 += 2) rows_f32_2(x, wr, y, m0, n0, nn, N, K);
     if (m0 < M) rows_f32_1(x, wr, y, m0, n0, nn, N, K);
   }
+}
+
+/* the lanes kernel on one chunk of `rows` input rows from m0, transposed in `xc` as V 8-lane
+   vectors per k (lanes past `rows` zero), against weight rows `wr` [0, NJ) of a block: NJ x V
+   accumulators (12) */
+#define LANES_F32(V, NJ)                                                                       \
+  static inline void lanes_f32_##V(const float *xc, const float *const *wr,                    \
+                                   const float *const *next, float *y, int64_t m0, int rows,   \
+                                   int64_t n0, int nn, int64_t N, int64_t K) {                 \
+    __m256 acc[NJ][V];                                                                         \
+    for (int j = 0; j < NJ; j++)                                                               \
+      for (int v = 0; v < V; v++) acc[j][v] = _mm256_setzero_ps();                             \
+    for (int64_t k = 0; k < K; k++) {                                                          \
+      __m256 xv[V];                                                                            \
+      for (int v = 0; v < V; v++) xv[v] = _mm256_load_ps(xc + (k * V + v) * 8);                \
+      if (next != NULL && k % 16 == 0) /* a cache line of each row of the next block */        \
+        for (int j = 0; j < NJ; j++) __builtin_prefetch(next[j] + k, 0, 3);                    \
+      for (int j = 0; j < NJ; j++) {                                                           \
+        const __m256 wv = _mm256_broadcast_ss(wr[j] + k);                                      \
+        for (int v = 0; v < V; v++) acc[j][v] = _mm256_fmadd_ps(xv[v], wv, acc[j][v]);         \
+      }                                                                                        \
+    }                                                                                          \
+    float tile[NJ][V * 8];                                                                     \
+    for (int j = 0; j < NJ; j++)                                                               \
+      for (int v = 0; v < V; v++) _mm256_storeu_ps(tile[j] + v * 8, acc[j][v]);               \
+    for (int r = 0; r < rows; r++)                                                             \
+      for (int j = 0; j < nn && j < NJ; j++) y[(m0 + r) * N + n0 + j] = tile[j][r];            \
+  }
+LANES_F32(1, 12)
+LANES_F32(2, 6)
+
+/* chunks of 16 rows, the last of 8 where no more than 8 are left; each chunk's columns k
+   contiguous, at xt + m0 * K */
+static void f32_lanes(const float *x, const float *w, float *y, int64_t M, int64_t N, int64_t K,
+                      int threads) {
+  const int64_t padded = (M + 7) / 8 * 8;
+  float *xt = aligned_alloc(64, (size_t)(padded * K * 4 + 63) / 64 * 64);
+  if (xt == NULL) abort();
+  for (int64_t m0 = 0; m0 < M; m0 += 16) {
+    const int width = M - m0 > 8 ? 16 : 8;
+    for (int64_t k = 0; k < K; k++)
+      for (int r = 0; r < width; r++)
+        xt[m0 * K + k * width + r] = m0 + r < M ? x[(m0 + r) * K + k] : 0.0f;
+  }
+  const int64_t blocks = (N + NLB - 1) / NLB;
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t b = 0; b < blocks; b++) {
+    const int64_t n0 = b * NLB;
+    const int nn = (int)(N - n0 < NLB ? N - n0 : NLB);
+    const float *wr[NLB], *next[NLB];
+    for (int j = 0; j < NLB; j++) {
+      wr[j] = w + (n0 + (j < nn ? j : 0)) * K;
+      next[j] = w + (n0 + NLB + j < N ? n0 + NLB + j : N - 1) * K; /* the last block: in place */
+    }
+    for (int64_t m0 = 0; m0 < M; m0 += 16) {
+      const int rows = (int)(M - m0 < 16 ? M - m0 : 16);
+      const float *const *pf = m0 == 0 ? next : NULL; /* the first chunk's pass fetches */
+      if (rows > 8) {
+        lanes_f32_2(xt + m0 * K, wr, pf, y, m0, rows, n0, nn, N, K);
+        if (nn > 6)
+          lanes_f32_2(xt + m0 * K, wr + 6, pf ? pf + 6 : NULL, y, m0, rows, n0 + 6, nn - 6, N, K);
+      } else {
+        lanes_f32_1(xt + m0 * K, wr, pf, y, m0, rows, n0, nn, N, K);
+      }
+    }
+  }
+  free(xt);
+}
+
+/* x [M, K], w [N, K], y [M, N]: float32, row-major, contiguous; M >= 1 */
+void small_gemm_f32(const float *x, const float *w, float *y, int64_t M, int64_t N, int64_t K,
+                    int threads) {
+  if (M <= F32_ROWS_MAX)
+    f32_rows(x, w, y, M, N, K, threads);
+  else
+    f32_lanes(x, w, y, M, N, K, threads);
 }
 #else
 void small_gemm_f32(const float *x, const float *w, float *y, int64_t M, int64_t N, int64_t K,
