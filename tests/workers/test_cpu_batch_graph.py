@@ -86,6 +86,42 @@ def test_batches_run_one_graph_and_agree_with_the_eager_step(
     assert float(np.abs(got[1] - got[0]).max()) > 1.0
 
 
+def test_larger_float32_batches_agree_with_the_eager_step(
+        tiny_models: dict[str, TinyModel]) -> None:
+    """Steps of 17 down to 5 requests: the batched graph's float32 products of more than 4 rows
+    take the small-GEMM kernel's lanes path (chunks of 16 and 8 rows, part-filled), the eager
+    step's are oneDNN's on packed weights; the logits agree."""
+    m = tiny_models["llama"]
+
+    def runner(graph: bool) -> ModelRunner:
+        return ModelRunner(WorkerConfig(str(m.folder), dtype="float32", max_running_requests=20,
+                                        max_context_len=64, max_total_tokens=1024,
+                                        cpu_decode_graph=graph))
+
+    graph_runner, eager = runner(True), runner(False)
+    gen = torch.Generator().manual_seed(7)
+    # requests stop one group after another: steps of 17, 16, 9, 8 and 5 requests
+    lengths = [1] + [2] * 7 + [3] + [4] * 3 + [5] * 5
+    prompts = [torch.randint(3, 250, (int(n),), generator=gen).tolist()
+               for n in torch.randint(2, 12, (len(lengths),), generator=gen)]
+    tokens = [torch.randint(3, 250, (n,), generator=gen).tolist() for n in lengths]
+    with torch._dynamo.config.patch(error_on_recompile=True), torch.profiler.profile(
+            record_shapes=True) as prof:
+        got = _decode_logits(graph_runner, prompts, tokens)
+    assert [g.shape[0] for g in got] == [17, 16, 9, 8, 5]
+    vocab = graph_runner.model_config.vocab_size
+    rows = sorted(e.input_shapes[0][0] for e in prof.events()
+                  if e.name == "raydix::small_gemm" and e.input_shapes[1][0] != vocab
+                  and e.input_shapes[0][0] in (17, 16, 9, 8, 5))
+    layers = graph_runner.kv_pool.config.num_layers
+    expected = small_gemm.warm_up() and small_gemm.computes(torch.float32)
+    assert rows == (sorted([17, 16, 9, 8, 5] * 4 * layers) if expected else [])
+    want = _decode_logits(eager, prompts, tokens)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(torch.from_numpy(g), torch.from_numpy(w),
+                                   **TOLERANCES["float32"])
+
+
 def test_steps_that_skip_the_guards_run_the_graphs_the_guards_would_pick(
         tiny_models: dict[str, TinyModel], monkeypatch: pytest.MonkeyPatch) -> None:
     """After the warm-up a step skips dynamo's guard checks; the graph each call runs (the first
