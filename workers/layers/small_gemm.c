@@ -164,10 +164,11 @@ void small_gemm_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t 
    F32_ROWS_MAX rows, "rows" kernel: per block of NF weight rows (read from memory once), the
    input rows two at a time, each dot product in an 8-lane FMA accumulator summed across lanes
    at the end; the block stays in cache while the row pairs pass over it. More rows, "lanes"
-   kernel: the input is transposed once into chunks of LW rows (`xt`, rows past M zero), and
-   each weight element is broadcast against its chunk's k column, so LW rows advance per
-   FMA pair with no sum across lanes (the rows kernel is bound by its loads and sums there).
-   Both split the weight rows between the OpenMP threads. */
+   kernel: the input is transposed once into chunks of 16 rows (8 for a last chunk of no more
+   than 8; `xt`, rows past M zero), and for each block of NLB weight rows every weight element
+   is broadcast against its chunk's k column, so a chunk's rows advance together with no sum
+   across lanes (past 4 rows the rows kernel is bound by its loads and sums). Both split the
+   weight rows between the OpenMP threads. */
 
 int small_gemm_f32_native(void) {
 #if defined(__AVX2__) && defined(__FMA__)
