@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 
 import ray
 
+from raydix.cluster.actor_heap import freeze_actor_heap
 from raydix.workers.config import WorkerConfig
 from raydix.workers.step import GrammarSpec, StepPlan, StepResult
 from raydix.workers.torch_thread import TorchThread
@@ -94,6 +95,7 @@ class WorkerActor:
         from raydix.workers.worker import TPWorker  # the model stack loads in the actor only
 
         self._worker = self._torch.call(TPWorker, config, rendezvous=rendezvous)
+        freeze_actor_heap(f"rank {self.tp_rank}")
         if self.tp_rank != 0:
             self._torch.submit(self._follow)  # holds the rank's thread until the shutdown plan
         return self._worker.max_num_tokens

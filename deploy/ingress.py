@@ -20,6 +20,7 @@ from pydantic import BaseModel, ValidationError
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from raydix.cluster.actor_heap import freeze_actor_heap
 from raydix.engine.request import GenerationParams
 from raydix.router.priority import take_normal_priority
 from raydix.workers.step import GrammarSpec
@@ -137,6 +138,7 @@ class OpenAIIngress(HostsEngine):
         self.metrics = IngressMetrics()
         self.cache_aware_router = cache_aware_router
         self.limits = RequestLimits(max_context_len, schedule_policy, len(self.tokenizer))
+        freeze_actor_heap("the ingress")
 
     # ------------------------------------------------------------------------ endpoints
     @app.get("/health")

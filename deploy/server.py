@@ -50,6 +50,7 @@ from ray.actor import ActorHandle
 from ray.serve.handle import DeploymentHandle
 
 from raydix.cache import EventBuffer, EventSink
+from raydix.cluster.actor_heap import freeze_actor_heap
 from raydix.engine.async_engine import MAX_WAITING_REQUESTS, AsyncEngine, EngineClient
 from raydix.engine.config import EngineConfig
 from raydix.engine.detokenizer import TokenDecoder
@@ -251,6 +252,7 @@ class EngineServer:
                 self._load, publish_snapshot=self._publish_snapshot if events is not None else None,
                 get_router=get_router)
             self._router_reporter = loop.create_task(reporter.run())
+        freeze_actor_heap("the engine replica")
 
     async def _publish_snapshot(self) -> None:
         """The router lost track of this replica's cache: send all of it again as events."""

@@ -35,6 +35,7 @@ from multiprocessing.connection import Connection
 from typing import NamedTuple
 
 from raydix.cache import EventBuffer, EventSink
+from raydix.workers.gc_heap import freeze_start_up_heap
 
 from .engine import CacheStats, Engine, RankFacts
 from .executor import RankLocation
@@ -195,6 +196,7 @@ def serve(commands: Connection, out: Connection) -> None:
             spec.setup()
         events = EventBuffer() if spec.events else None
         engine = spec.factory(events)
+        freeze_start_up_heap("the engine process")
     except BaseException as e:
         out.send(("failed", _picklable(e)))
         return

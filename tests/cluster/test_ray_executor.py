@@ -127,6 +127,15 @@ def test_tp2_on_ray_matches_tp1_in_process_and_transformers(
         tp2.check_health()
         with ThreadPoolExecutor(1) as pool:  # a follower that left its loop would hang this
             assert pool.submit(_greedy, tp2.step).result(timeout=60) == expected
+        # each rank's start-up heap is outside its collector's walks (workers/gc_heap.py)
+        def heap_counts(actor: object) -> tuple[int, int]:  # in the actor (by value: nested)
+            import gc
+
+            return gc.get_freeze_count(), len(gc.get_objects())
+
+        for frozen, walked in ray.get([a.__ray_call__.remote(heap_counts)
+                                       for a in tp2._actors]):
+            assert frozen > 50_000 and walked < frozen / 10
     finally:
         tp2.shutdown()
     assert _wait_for(lambda: _free_gpus() == NUM_GPUS)

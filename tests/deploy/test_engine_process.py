@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import gc
 import logging
 import os
 import signal
@@ -80,6 +81,11 @@ def process_id(engine: Engine) -> int:
     return os.getpid()
 
 
+def heap_counts(engine: Engine) -> tuple[int, int]:
+    """Objects frozen out of the collector's walks, and those a full collection walks."""
+    return gc.get_freeze_count(), len(gc.get_objects())
+
+
 def visible_devices(engine: Engine) -> str | None:
     return os.environ.get("CUDA_VISIBLE_DEVICES")
 
@@ -128,6 +134,15 @@ def test_streams_equal_the_engine_stepped_here(process_engine: ProcessEngine, ti
         assert any(ids[:len(prompt)] == prompt for ids in inserted)
     assert len(events) == len(here)
     assert asyncio.run(process_engine.call(process_id)) == process_engine.pid != os.getpid()
+
+
+def test_the_start_up_heap_is_frozen(process_engine: ProcessEngine) -> None:
+    """What start-up built (torch, the model, the engine) is outside the collector's walks: a
+    full collection, which holds every stream while it runs, walks only what serving allocated
+    since (workers/gc_heap.py)."""
+    frozen, walked = asyncio.run(process_engine.call(heap_counts))
+    assert frozen > 50_000  # torch's modules alone
+    assert walked < frozen / 10
 
 
 def test_refusals_and_overload(process_engine: ProcessEngine) -> None:

@@ -194,3 +194,26 @@ def test_metrics_are_fresh_when_scraped(server: str) -> None:
     assert metric(after, "raydix_kv_used_tokens") == 0.0
     generated = "raydix_engine_generated_tokens_total"
     assert metric(after, generated) - metric(before, generated) == 40
+
+
+def test_the_replicas_froze_their_start_up_heap(server: str) -> None:
+    """The app's replicas froze what their start-up built: a full collection in one, which
+    holds every stream of that replica while it runs, walks only what serving allocated since
+    (workers/gc_heap.py; the engine process's own: tests/deploy/test_engine_process.py)."""
+    import ray
+
+    from raydix.deploy.app import ENGINE_DEPLOYMENT, INGRESS_DEPLOYMENT
+
+    def heap_counts(replica: object) -> tuple[int, int]:  # in the replica (by value: nested)
+        import gc
+
+        return gc.get_freeze_count(), len(gc.get_objects())
+
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+             if a["name"].startswith((f"SERVE_REPLICA::{APP}#{INGRESS_DEPLOYMENT}#",
+                                      f"SERVE_REPLICA::{APP}#{ENGINE_DEPLOYMENT}#"))]
+    assert names
+    for name in names:
+        replica = ray.get_actor(name, namespace="serve")
+        frozen, walked = ray.get(replica.__ray_call__.remote(heap_counts), timeout=30)
+        assert frozen > 50_000 and walked < frozen / 4, name
