@@ -21,7 +21,8 @@
 #             installed, a random model of its shape);
 #   windows   the GPU test of sliding windows and soft caps (its kernels compile on first use);
 #   serve     serving through `raydix serve` against the engine in-process
-#             (benchmarks/serve_bench.py, needs Ray): the default model at 1, 16 and 64 streams
+#             (benchmarks/serve_bench.py, needs Ray): the default model at 64, 16 and 1 streams
+#             (each server's first burst the largest, where a one-time stall shows in its gap)
 #             (SERVE_MODEL names a model folder instead, SERVE_REPEATS the rounds, default 2;
 #             SERVE_VARIANTS, `;`-separated, the flags of each server run, e.g.
 #             ";--disable-engine-process" for the defaults and the engine on a thread).
@@ -126,7 +127,7 @@ if [ -n "${SERVE_VARIANTS:-}" ]; then
   for flags in "${flag_sets[@]}"; do variants+=("--variant=$flags"); done
 fi
 if "$PYTHON" -c 'import ray.serve' 2>/dev/null; then
-  step serve "$PYTHON" benchmarks/serve_bench.py --model "$serve_model" --streams 1 16 64 \
+  step serve "$PYTHON" benchmarks/serve_bench.py --model "$serve_model" --streams 64 16 1 \
     --output-len 256 --repeats "${SERVE_REPEATS:-2}" "${variants[@]}" \
     --json "$out/serve-bench-default.json"
 else
