@@ -82,6 +82,74 @@ def test_large_scores_stay_exact() -> None:
                                _per_request(q, k_buf, v_buf, slots, lens), atol=1e-5, rtol=1e-5)
 
 
+def _shared_case(runs: list[tuple[int, int]], max_len: int, dtype: torch.dtype, seed: int,
+                 hk: int = HK, g: int = G, d: int = D) -> tuple[torch.Tensor, ...]:
+    """`_case` with rows that start with the same slots: per (rows, shared) of `runs`, that
+    many consecutive rows take their run's first row's first `shared` slots (the radix cache's
+    shared prefix); the rest of each row its own slots, every length at least shared + 1."""
+    q, k_buf, v_buf, slots, lens = _case(sum(n for n, _ in runs), max_len, dtype, seed, hk, g, d)
+    gen = torch.Generator().manual_seed(seed + 1)
+    first = 0
+    for rows, shared in runs:
+        slots[first + 1: first + rows, :shared] = slots[first, :shared]
+        lens[first: first + rows] = torch.randint(shared + 1, max_len + 1, (rows,),
+                                                  generator=gen)
+        first += rows
+    return q, k_buf, v_buf, slots, lens
+
+
+# (rows, shared slots) runs: a group; more rows than one pass takes (10 of G=3's queries); two
+# groups beside lone rows; rows whose common start is too short to share (5 < 32 slots); a
+# group of two whose common prefix is the whole shorter row but its last key
+@pytest.mark.parametrize("runs", [
+    [(5, 100)],
+    [(23, 40)],
+    [(1, 0), (4, 64), (1, 0), (3, 33), (2, 0)],
+    [(3, 5), (2, 31), (4, 32)],
+    [(2, 199)],
+])
+def test_rows_that_share_their_first_slots_read_them_once_and_agree(
+        runs: list[tuple[int, int]]) -> None:
+    kernel = _kernel(HK, D, G, torch.float32)
+    q, k_buf, v_buf, slots, lens = _shared_case(runs, 200, torch.float32, len(runs))
+    torch.testing.assert_close(kernel(q, k_buf, v_buf, slots, lens).double(),
+                               _per_request(q, k_buf, v_buf, slots, lens), atol=1e-5, rtol=1e-5)
+
+
+def test_nested_shared_prefixes_agree() -> None:
+    """Rows sharing different lengths with the first row of their run (a tree of prefixes):
+    each pass shares only what all its rows have in common."""
+    kernel = _kernel(HK, D, G, torch.float32)
+    q, k_buf, v_buf, slots, lens = _shared_case([(12, 150)], 300, torch.float32, 21)
+    for row, cut in ((3, 60), (4, 149), (7, 40), (9, 32)):
+        slots[row, cut:] = torch.randperm(k_buf.shape[0])[: slots.shape[1] - cut]
+        lens[row] = max(int(lens[row]), cut + 1)
+    slots[5, 150:] = slots[0, 150:]  # row 5 shares row 0's whole row (but its length)
+    lens[5] = 260
+    lens[0] = 300
+    torch.testing.assert_close(kernel(q, k_buf, v_buf, slots, lens).double(),
+                               _per_request(q, k_buf, v_buf, slots, lens), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("hk", "g", "d"), [(2, 7, 80), (1, 40, 16), (3, 2, 12)])
+def test_shared_prefixes_at_other_head_sizes(hk: int, g: int, d: int) -> None:
+    """4 rows a pass at 7 queries a KV head; one at 40 (a pass holds at most 40 queries); a
+    head size that is no multiple of 8 (the plain loops instead of vectors of 8)."""
+    kernel = _kernel(hk, d, g, torch.float32)
+    q, k_buf, v_buf, slots, lens = _shared_case([(9, 70), (1, 0)], 120, torch.float32, g, hk,
+                                                g, d)
+    torch.testing.assert_close(kernel(q, k_buf, v_buf, slots, lens).double(),
+                               _per_request(q, k_buf, v_buf, slots, lens), atol=1e-5, rtol=1e-5)
+
+
+def test_shared_prefixes_in_bf16() -> None:
+    kernel = _kernel(HK, D, G, torch.bfloat16)
+    q, k_buf, v_buf, slots, lens = _shared_case([(6, 90), (2, 0)], 128, torch.bfloat16, 8)
+    got = kernel(q, k_buf, v_buf, slots, lens)
+    want = _per_request(q, k_buf, v_buf, slots, lens)
+    assert (got.float() - want.to(torch.bfloat16).float()).abs().max() <= 2 ** -7
+
+
 def test_paged_decode_bf16_pool() -> None:
     kernel = _kernel(HK, D, G, torch.bfloat16)
     q, k_buf, v_buf, slots, lens = _case(6, 50, torch.bfloat16, 3)

@@ -11,9 +11,19 @@
    pool once the cache has freed and reused them, so the rows of the next block of keys and of
    this block's values are prefetched while the scores are computed (30 layers' pools, cold
    caches, slots at random: 16 requests of 420 keys 815 against 1,062 us a layer; slots in
-   runs: no change). */
+   runs: no change).
+
+   Requests whose rows start with the same slots (a prefix the radix cache gave them all) read
+   it once: such a group's queries (up to MAX_Q of them, MAX_Q / GROUP requests) take the shared
+   keys in one pass, each key and value row against every member's queries, and then each
+   member goes on over its own keys from the same running maximum, sum and accumulator (the
+   online softmax does not care where the keys come from), which gives the attention over the
+   whole row. Same slots are the same keys, so any common run of slots can be shared; the groups
+   are found at each call (rows ordered by their first slot, each compared with the first of its
+   run), an O(batch x shared keys) walk of the slots, small beside the reads it saves. */
 
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "native_math.h"
@@ -33,8 +43,16 @@ INLINE void load_row(float *dst, const void *base, int64_t row, const int bf16) 
     const uint16_t *src = (const uint16_t *)base + row * HEAD_DIM;
     for (int d = 0; d < HEAD_DIM; d++) dst[d] = from_bf16(src[d]);
   } else {
-    memcpy(dst, (const float *)base + row * HEAD_DIM, HEAD_DIM * sizeof(float));
+    const float *src = (const float *)base + row * HEAD_DIM;
+    for (int d = 0; d < HEAD_DIM; d++) dst[d] = src[d];
   }
+}
+
+/* a row as float32: float32 rows read where they are, bf16 rows converted into `buf` */
+INLINE const float *row_at(float *buf, const void *base, int64_t row, const int bf16) {
+  if (!bf16) return (const float *)base + row * HEAD_DIM;
+  load_row(buf, base, row, 1);
+  return buf;
 }
 
 INLINE void store_row(void *base, int64_t row, const float *src, float mul, const int bf16) {
@@ -47,41 +65,37 @@ INLINE void store_row(void *base, int64_t row, const float *src, float mul, cons
   }
 }
 
-/* request b's GROUP queries of KV head h against its first `len` slots */
-INLINE void attend(const void *q, const void *k_buf, const void *v_buf, const int64_t *slots,
-                   int64_t len, void *out, int64_t b, int64_t h, int64_t num_kv_heads,
-                   float scale, const int bf16) {
-  float qf[GROUP][HEAD_DIM], acc[GROUP][HEAD_DIM], m[GROUP], s[GROUP], sc[GROUP][BLOCK];
+#define MAX_Q (GROUP > 32 ? GROUP : 32) /* queries that share one pass over a prefix's keys */
+#define MAX_MEMBERS (MAX_Q / GROUP)     /* requests in one such pass */
+#define MIN_SHARED 32                   /* shorter common prefixes are read per request */
+
+/* `nq` queries (scaled, float32) with their running maxima `m`, sums `s` and accumulators
+   `acc` go on over the keys and values at `slots[0..n)` of KV head h */
+INLINE void pass_keys(const void *k_buf, const void *v_buf, const int64_t *slots, int64_t n_keys,
+                      int64_t h, int64_t num_kv_heads, int nq, float (*qf)[HEAD_DIM],
+                      float (*acc)[HEAD_DIM], float *m, float *s, float (*sc)[BLOCK],
+                      const int bf16) {
   float row[HEAD_DIM];
-  for (int g = 0; g < GROUP; g++) {
-    load_row(qf[g], q, (b * num_kv_heads + h) * GROUP + g, bf16);
-    for (int d = 0; d < HEAD_DIM; d++) {
-      qf[g][d] *= scale;
-      acc[g][d] = 0.f;
-    }
-    m[g] = -3.0e38f;
-    s[g] = 0.f;
-  }
   const int64_t row_bytes = HEAD_DIM * (bf16 ? 2 : 4);
-  for (int64_t j = 0; j < len && j < BLOCK; j++)  /* the first block's keys */
+  for (int64_t j = 0; j < n_keys && j < BLOCK; j++)  /* the first block's keys */
     prefetch_row(k_buf, (slots[j] * num_kv_heads + h) * row_bytes, row_bytes);
-  for (int64_t l0 = 0; l0 < len; l0 += BLOCK) {
-    const int n = (int)(len - l0 < BLOCK ? len - l0 : BLOCK);
+  for (int64_t l0 = 0; l0 < n_keys; l0 += BLOCK) {
+    const int n = (int)(n_keys - l0 < BLOCK ? n_keys - l0 : BLOCK);
     /* the rows this block reads next and the next block's keys: their loads overlap */
     for (int j = 0; j < n; j++)
       prefetch_row(v_buf, (slots[l0 + j] * num_kv_heads + h) * row_bytes, row_bytes);
-    for (int64_t j = l0 + BLOCK; j < len && j < l0 + 2 * BLOCK; j++)
+    for (int64_t j = l0 + BLOCK; j < n_keys && j < l0 + 2 * BLOCK; j++)
       prefetch_row(k_buf, (slots[j] * num_kv_heads + h) * row_bytes, row_bytes);
     for (int j = 0; j < n; j++) {
-      load_row(row, k_buf, slots[l0 + j] * num_kv_heads + h, bf16);
-      for (int g = 0; g < GROUP; g++) {
+      const float *key = row_at(row, k_buf, slots[l0 + j] * num_kv_heads + h, bf16);
+      for (int g = 0; g < nq; g++) {
         float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-        for (int d = 0; d < HEAD_DIM; d++) dot += qf[g][d] * row[d];
+        for (int d = 0; d < HEAD_DIM; d++) dot += qf[g][d] * key[d];
         sc[g][j] = dot;
       }
     }
-    for (int g = 0; g < GROUP; g++) {
+    for (int g = 0; g < nq; g++) {
       float top = m[g];
 #pragma omp simd reduction(max : top)
       for (int j = 0; j < n; j++) top = sc[g][j] > top ? sc[g][j] : top;
@@ -98,15 +112,225 @@ INLINE void attend(const void *q, const void *k_buf, const void *v_buf, const in
       for (int d = 0; d < HEAD_DIM; d++) acc[g][d] *= alpha;
     }
     for (int j = 0; j < n; j++) {
-      load_row(row, v_buf, slots[l0 + j] * num_kv_heads + h, bf16);
-      for (int g = 0; g < GROUP; g++) {
+      const float *value = row_at(row, v_buf, slots[l0 + j] * num_kv_heads + h, bf16);
+      for (int g = 0; g < nq; g++) {
         const float p = sc[g][j];
-        for (int d = 0; d < HEAD_DIM; d++) acc[g][d] += p * row[d];
+        for (int d = 0; d < HEAD_DIM; d++) acc[g][d] += p * value[d];
       }
     }
   }
+}
+
+/* `pass_keys` for the many queries of a shared prefix's pass, where the arithmetic, not the
+   reads, takes the time: each block's keys transposed once, so that a query's scores are its
+   elements times rows of keys, summed in vectors along the keys (no sums across lanes), two
+   queries at a time (8 independent sums); each query's accumulator takes the block's values
+   key after key in registers. In vectors of 8 floats (GCC's vector extension: AVX2's registers,
+   or two SSE ones) where HEAD_DIM is a multiple of 8, plain loops otherwise. */
+#if HEAD_DIM % 8 == 0
+typedef float vec8 __attribute__((vector_size(32)));
+typedef float vec8u __attribute__((vector_size(32), aligned(4), may_alias)); /* in memory */
+#define NV (HEAD_DIM / 8)
+#define NB (BLOCK / 8)
+INLINE vec8 vload(const float *p) { return *(const vec8u *)p; }
+INLINE void vstore(float *p, vec8 v) { *(vec8u *)p = v; }
+INLINE vec8 vsplat(float x) { return (vec8){x, x, x, x, x, x, x, x}; }
+
+/* a block's scores of queries g and g2 (the same query twice for an odd last one) */
+INLINE void scores2(const float (*qf)[HEAD_DIM], int g, int g2, const float (*kt)[BLOCK],
+                    float *out0, float *out1) {
+  vec8 a[NB], b[NB];
+  _Pragma("GCC unroll 16") for (int v = 0; v < NB; v++) a[v] = b[v] = vsplat(0.f);
+  for (int d = 0; d < HEAD_DIM; d++) {
+    const vec8 x = vsplat(qf[g][d]), y = vsplat(qf[g2][d]);
+    _Pragma("GCC unroll 16") for (int v = 0; v < NB; v++) {
+      const vec8 k = vload(kt[d] + 8 * v);
+      a[v] += x * k;
+      b[v] += y * k;
+    }
+  }
+  _Pragma("GCC unroll 16") for (int v = 0; v < NB; v++) {
+    vstore(out0 + 8 * v, a[v]);
+    vstore(out1 + 8 * v, b[v]);
+  }
+}
+
+/* acc += the sum over the block's n keys of p[j] times their values */
+INLINE void weigh_values(float *acc, const float *p, const float (*vb)[HEAD_DIM], int n) {
+  vec8 a[NV];
+  _Pragma("GCC unroll 16") for (int v = 0; v < NV; v++) a[v] = vload(acc + 8 * v);
+  for (int j = 0; j < n; j++) {
+    const vec8 w = vsplat(p[j]);
+    _Pragma("GCC unroll 16") for (int v = 0; v < NV; v++) a[v] += w * vload(vb[j] + 8 * v);
+  }
+  _Pragma("GCC unroll 16") for (int v = 0; v < NV; v++) vstore(acc + 8 * v, a[v]);
+}
+#else
+INLINE void scores2(const float (*qf)[HEAD_DIM], int g, int g2, const float (*kt)[BLOCK],
+                    float *out0, float *out1) {
+  float a[BLOCK] = {0}, b[BLOCK] = {0};
+  for (int d = 0; d < HEAD_DIM; d++)
+    for (int j = 0; j < BLOCK; j++) {
+      a[j] += qf[g][d] * kt[d][j];
+      b[j] += qf[g2][d] * kt[d][j];
+    }
+  for (int j = 0; j < BLOCK; j++) {
+    out0[j] = a[j];
+    out1[j] = b[j];
+  }
+}
+
+INLINE void weigh_values(float *acc, const float *p, const float (*vb)[HEAD_DIM], int n) {
+  for (int j = 0; j < n; j++)
+    for (int d = 0; d < HEAD_DIM; d++) acc[d] += p[j] * vb[j][d];
+}
+#endif
+
+/* one query's running maximum, sum and accumulator take a block's n scores (`sc`, replaced
+   by their weights) */
+INLINE void softmax_step(float *sc, int n, float *m, float *s, float *acc) {
+  float top = *m;
+  for (int j = 0; j < n; j++) top = sc[j] > top ? sc[j] : top;
+  const float alpha = exp_nonpos(*m - top);
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int j = 0; j < n; j++) {
+    const float p = exp_nonpos(sc[j] - top);
+    sc[j] = p;
+    sum += p;
+  }
+  *s = *s * alpha + sum;
+  *m = top;
+  for (int d = 0; d < HEAD_DIM; d++) acc[d] *= alpha;
+}
+
+INLINE void pass_shared(const void *k_buf, const void *v_buf, const int64_t *slots,
+                        int64_t n_keys, int64_t h, int64_t num_kv_heads, int nq,
+                        float (*qf)[HEAD_DIM], float (*acc)[HEAD_DIM], float *m, float *s,
+                        float (*sc)[BLOCK], const int bf16) {
+  float row[HEAD_DIM], kt[HEAD_DIM][BLOCK], vb[BLOCK][HEAD_DIM];
+  const int64_t row_bytes = HEAD_DIM * (bf16 ? 2 : 4);
+  for (int64_t j = 0; j < n_keys && j < BLOCK; j++)
+    prefetch_row(k_buf, (slots[j] * num_kv_heads + h) * row_bytes, row_bytes);
+  for (int64_t l0 = 0; l0 < n_keys; l0 += BLOCK) {
+    const int n = (int)(n_keys - l0 < BLOCK ? n_keys - l0 : BLOCK);
+    for (int j = 0; j < n; j++)
+      prefetch_row(v_buf, (slots[l0 + j] * num_kv_heads + h) * row_bytes, row_bytes);
+    for (int64_t j = l0 + BLOCK; j < n_keys && j < l0 + 2 * BLOCK; j++)
+      prefetch_row(k_buf, (slots[j] * num_kv_heads + h) * row_bytes, row_bytes);
+    for (int j = 0; j < n; j++) {
+      const float *key = row_at(row, k_buf, slots[l0 + j] * num_kv_heads + h, bf16);
+      for (int d = 0; d < HEAD_DIM; d++) kt[d][j] = key[d];
+    }
+    for (int d = 0; d < HEAD_DIM; d++) /* a last block's empty columns: scores never read */
+      for (int j = n; j < BLOCK; j++) kt[d][j] = 0.f;
+    for (int g = 0; g < nq; g += 2)
+      scores2((const float (*)[HEAD_DIM])qf, g, g + 1 < nq ? g + 1 : g,
+              (const float (*)[BLOCK])kt, sc[g], sc[g + 1 < nq ? g + 1 : g]);
+    for (int g = 0; g < nq; g++) softmax_step(sc[g], n, &m[g], &s[g], acc[g]);
+    for (int j = 0; j < n; j++) load_row(vb[j], v_buf, slots[l0 + j] * num_kv_heads + h, bf16);
+    for (int g = 0; g < nq; g++) weigh_values(acc[g], sc[g], (const float (*)[HEAD_DIM])vb, n);
+  }
+}
+
+/* request b's GROUP queries of KV head h, scaled, into rows r.. of qf, with their states */
+INLINE void load_queries(const void *q, int64_t b, int64_t h, int64_t num_kv_heads, float scale,
+                         int r, float (*qf)[HEAD_DIM], float (*acc)[HEAD_DIM], float *m, float *s,
+                         const int bf16) {
+  for (int g = 0; g < GROUP; g++) {
+    load_row(qf[r + g], q, (b * num_kv_heads + h) * GROUP + g, bf16);
+    for (int d = 0; d < HEAD_DIM; d++) {
+      qf[r + g][d] *= scale;
+      acc[r + g][d] = 0.f;
+    }
+    m[r + g] = -3.0e38f;
+    s[r + g] = 0.f;
+  }
+}
+
+/* a request that shares nothing: its GROUP queries of KV head h against its own slots */
+INLINE void attend_lone(const void *q, const void *k_buf, const void *v_buf,
+                        const int64_t *row, int64_t len, void *out, int64_t b, int64_t h,
+                        int64_t num_kv_heads, float scale, const int bf16) {
+  float qf[GROUP][HEAD_DIM], acc[GROUP][HEAD_DIM], m[GROUP], s[GROUP], sc[GROUP][BLOCK];
+  load_queries(q, b, h, num_kv_heads, scale, 0, qf, acc, m, s, bf16);
+  pass_keys(k_buf, v_buf, row, len, h, num_kv_heads, GROUP, qf, acc, m, s, sc, bf16);
   for (int g = 0; g < GROUP; g++)
     store_row(out, (b * num_kv_heads + h) * GROUP + g, acc[g], 1.f / s[g], bf16);
+}
+
+/* the requests `members[0..count)` of KV head h: their first `shared` slots (the same in each
+   row) in one pass for all of them, then each its own; each row `max_len` slots of `slots`,
+   request b's first `lens[b]` (capped at max_len) its own */
+INLINE void attend(const void *q, const void *k_buf, const void *v_buf, const int64_t *slots,
+                   const int64_t *lens, const int64_t *members, int count, int64_t shared,
+                   int64_t max_len, void *out, int64_t h, int64_t num_kv_heads, float scale,
+                   const int bf16) {
+  if (count == 1) {
+    const int64_t b = members[0], len = lens[b] < max_len ? lens[b] : max_len;
+    attend_lone(q, k_buf, v_buf, slots + b * max_len, len, out, b, h, num_kv_heads, scale, bf16);
+    return;
+  }
+  float qf[MAX_Q][HEAD_DIM], acc[MAX_Q][HEAD_DIM], m[MAX_Q], s[MAX_Q], sc[MAX_Q][BLOCK];
+  for (int i = 0; i < count; i++)
+    load_queries(q, members[i], h, num_kv_heads, scale, i * GROUP, qf, acc, m, s, bf16);
+  pass_shared(k_buf, v_buf, slots + members[0] * max_len, shared, h, num_kv_heads,
+              count * GROUP, qf, acc, m, s, sc, bf16);
+  for (int i = 0; i < count; i++) {
+    const int64_t b = members[i], len = lens[b] < max_len ? lens[b] : max_len;
+    const int r = i * GROUP;
+    pass_keys(k_buf, v_buf, slots + b * max_len + shared, len - shared, h, num_kv_heads, GROUP,
+              qf + r, acc + r, m + r, s + r, sc + r, bf16);
+    for (int g = 0; g < GROUP; g++)
+      store_row(out, (b * num_kv_heads + h) * GROUP + g, acc[r + g], 1.f / s[r + g], bf16);
+  }
+}
+
+static int by_key(const void *a, const void *b) {
+  const int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+  return (x > y) - (x < y);
+}
+
+/* Parts of the batch that each make one pass: `order` holds the requests part by part, part p
+   is order[start[p]..start[p + 1]) with `shared[p]` slots common to all its rows (0: a lone
+   request); returns the number of parts. */
+static int64_t find_parts(const int64_t *slots, const int64_t *lens, int64_t batch,
+                          int64_t max_len, int64_t *order, int64_t *start, int64_t *shared) {
+  int64_t *keyed = order; /* first slot * batch + request: sorted, runs of one first slot */
+  for (int64_t b = 0; b < batch; b++) keyed[b] = slots[b * max_len] * batch + b;
+  qsort(keyed, (size_t)batch, sizeof(int64_t), by_key);
+  for (int64_t i = 0; i < batch; i++) keyed[i] %= batch;
+  int64_t parts = 0, i = 0;
+  while (i < batch) {
+    const int64_t lead = order[i];
+    const int64_t lead_len = lens[lead] < max_len ? lens[lead] : max_len;
+    const int64_t *lead_slots = slots + lead * max_len;
+    /* the run's other rows, each with its common prefix with the lead's row */
+    int64_t end = i + 1, common = lead_len;
+    start[parts] = i;
+    while (end < batch && slots[order[end] * max_len] == lead_slots[0]) {
+      const int64_t b = order[end];
+      const int64_t len = lens[b] < max_len ? lens[b] : max_len;
+      const int64_t *row = slots + b * max_len;
+      int64_t c = 0;
+      const int64_t limit = len < lead_len ? len : lead_len;
+      while (c < limit && row[c] == lead_slots[c]) c++;
+      if (c < MIN_SHARED) break; /* it and the rest of the run: parts of their own */
+      if (end - start[parts] == MAX_MEMBERS) { /* a full part: the next one starts here */
+        shared[parts++] = common;
+        start[parts] = end;
+        common = c;
+      } else if (c < common) {
+        common = c;
+      }
+      end++;
+    }
+    shared[parts] = end - start[parts] > 1 ? common : 0;
+    parts++;
+    i = end;
+  }
+  start[parts] = batch;
+  return parts;
 }
 
 /* q and out `[batch, num_kv_heads, GROUP, HEAD_DIM]`; slots `[batch, max_len]`, of which the
@@ -115,13 +339,16 @@ INLINE void attend(const void *q, const void *k_buf, const void *v_buf, const in
   void NAME(const void *q, const void *k_buf, const void *v_buf, const int64_t *slots,         \
             const int64_t *lens, void *out, int64_t batch, int64_t max_len,                    \
             int64_t num_kv_heads, float scale, int threads) {                                  \
+    int64_t *order = malloc((size_t)(3 * batch + 1) * sizeof(int64_t));                        \
+    int64_t *start = order + batch, *shared = start + batch + 1;                               \
+    const int64_t parts = find_parts(slots, lens, batch, max_len, order, start, shared);       \
     _Pragma("omp parallel for schedule(dynamic, 1) num_threads(threads)")                     \
-    for (int64_t item = 0; item < batch * num_kv_heads; item++) {                              \
-      const int64_t b = item / num_kv_heads;                                                   \
-      const int64_t len = lens[b] < max_len ? lens[b] : max_len;                               \
-      attend(q, k_buf, v_buf, slots + b * max_len, len, out, b, item % num_kv_heads,           \
-             num_kv_heads, scale, BF16);                                                       \
+    for (int64_t item = 0; item < parts * num_kv_heads; item++) {                              \
+      const int64_t p = item / num_kv_heads;                                                   \
+      attend(q, k_buf, v_buf, slots, lens, order + start[p], (int)(start[p + 1] - start[p]),   \
+             shared[p], max_len, out, item % num_kv_heads, num_kv_heads, scale, BF16);         \
     }                                                                                          \
+    free(order);                                                                               \
   }
 
 ENTRY(paged_decode_bf16, 1)

@@ -6,6 +6,10 @@ layer (at 64 requests of 400 tokens that copy dominates the step). The kernel he
 (`paged_decode.c`) reads each key and value row from its page once, in one pass with an online
 softmax, on torch's OpenMP threads: SmolLM2-135M's heads, two threads, bf16, 0.19-0.29x the time
 of the same ops compiled by torch's inductor, its form before (`benchmarks/paged_decode_bench.py`).
+Requests whose rows start with the same slots (a prefix the radix cache gave them all) read that
+prefix once, all their queries in one pass over it, then each its own keys (the C file's
+header): the decode graphs get what the eager step's cascade (cascade.py) does, inside the one
+operator.
 
 It is built for the model's head sizes at start (`warm_up`: a C file, under a second the first
 time on a machine, then loaded from `~/.cache/raydix/kernels`) and runs as the `raydix::
