@@ -38,6 +38,23 @@ INLINE void prefetch_row(const void *base, int64_t offset, int64_t bytes) {
     __builtin_prefetch((const char *)base + offset + line, 0, 3);
 }
 
+/* a pass's prefetches: before its first block, that block's keys; at block l0 (n keys), the
+   values it reads next and the next block's keys, so that their loads overlap */
+INLINE void prefetch_first(const void *k_buf, const int64_t *slots, int64_t n_keys, int64_t h,
+                           int64_t num_kv_heads, int64_t row_bytes) {
+  for (int64_t j = 0; j < n_keys && j < BLOCK; j++)
+    prefetch_row(k_buf, (slots[j] * num_kv_heads + h) * row_bytes, row_bytes);
+}
+
+INLINE void prefetch_block(const void *k_buf, const void *v_buf, const int64_t *slots,
+                           int64_t l0, int n, int64_t n_keys, int64_t h, int64_t num_kv_heads,
+                           int64_t row_bytes) {
+  for (int j = 0; j < n; j++)
+    prefetch_row(v_buf, (slots[l0 + j] * num_kv_heads + h) * row_bytes, row_bytes);
+  for (int64_t j = l0 + BLOCK; j < n_keys && j < l0 + 2 * BLOCK; j++)
+    prefetch_row(k_buf, (slots[j] * num_kv_heads + h) * row_bytes, row_bytes);
+}
+
 INLINE void load_row(float *dst, const void *base, int64_t row, const int bf16) {
   if (bf16) {
     const uint16_t *src = (const uint16_t *)base + row * HEAD_DIM;
@@ -69,6 +86,25 @@ INLINE void store_row(void *base, int64_t row, const float *src, float mul, cons
 #define MAX_MEMBERS (MAX_Q / GROUP)     /* requests in one such pass */
 #define MIN_SHARED 32                   /* shorter common prefixes are read per request */
 
+/* one query's running maximum, sum and accumulator take a block's n scores (`sc`, replaced
+   by their weights) */
+INLINE void softmax_step(float *sc, int n, float *m, float *s, float *acc) {
+  float top = *m;
+#pragma omp simd reduction(max : top)
+  for (int j = 0; j < n; j++) top = sc[j] > top ? sc[j] : top;
+  const float alpha = exp_nonpos(*m - top);
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int j = 0; j < n; j++) {
+    const float p = exp_nonpos(sc[j] - top);
+    sc[j] = p;
+    sum += p;
+  }
+  *s = *s * alpha + sum;
+  *m = top;
+  for (int d = 0; d < HEAD_DIM; d++) acc[d] *= alpha;
+}
+
 /* `nq` queries (scaled, float32) with their running maxima `m`, sums `s` and accumulators
    `acc` go on over the keys and values at `slots[0..n)` of KV head h */
 INLINE void pass_keys(const void *k_buf, const void *v_buf, const int64_t *slots, int64_t n_keys,
@@ -77,15 +113,10 @@ INLINE void pass_keys(const void *k_buf, const void *v_buf, const int64_t *slots
                       const int bf16) {
   float row[HEAD_DIM];
   const int64_t row_bytes = HEAD_DIM * (bf16 ? 2 : 4);
-  for (int64_t j = 0; j < n_keys && j < BLOCK; j++)  /* the first block's keys */
-    prefetch_row(k_buf, (slots[j] * num_kv_heads + h) * row_bytes, row_bytes);
+  prefetch_first(k_buf, slots, n_keys, h, num_kv_heads, row_bytes);
   for (int64_t l0 = 0; l0 < n_keys; l0 += BLOCK) {
     const int n = (int)(n_keys - l0 < BLOCK ? n_keys - l0 : BLOCK);
-    /* the rows this block reads next and the next block's keys: their loads overlap */
-    for (int j = 0; j < n; j++)
-      prefetch_row(v_buf, (slots[l0 + j] * num_kv_heads + h) * row_bytes, row_bytes);
-    for (int64_t j = l0 + BLOCK; j < n_keys && j < l0 + 2 * BLOCK; j++)
-      prefetch_row(k_buf, (slots[j] * num_kv_heads + h) * row_bytes, row_bytes);
+    prefetch_block(k_buf, v_buf, slots, l0, n, n_keys, h, num_kv_heads, row_bytes);
     for (int j = 0; j < n; j++) {
       const float *key = row_at(row, k_buf, slots[l0 + j] * num_kv_heads + h, bf16);
       for (int g = 0; g < nq; g++) {
@@ -95,22 +126,7 @@ INLINE void pass_keys(const void *k_buf, const void *v_buf, const int64_t *slots
         sc[g][j] = dot;
       }
     }
-    for (int g = 0; g < nq; g++) {
-      float top = m[g];
-#pragma omp simd reduction(max : top)
-      for (int j = 0; j < n; j++) top = sc[g][j] > top ? sc[g][j] : top;
-      const float alpha = exp_nonpos(m[g] - top);
-      float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-      for (int j = 0; j < n; j++) {
-        const float p = exp_nonpos(sc[g][j] - top);
-        sc[g][j] = p;
-        sum += p;
-      }
-      s[g] = s[g] * alpha + sum;
-      m[g] = top;
-      for (int d = 0; d < HEAD_DIM; d++) acc[g][d] *= alpha;
-    }
+    for (int g = 0; g < nq; g++) softmax_step(sc[g], n, &m[g], &s[g], acc[g]);
     for (int j = 0; j < n; j++) {
       const float *value = row_at(row, v_buf, slots[l0 + j] * num_kv_heads + h, bf16);
       for (int g = 0; g < nq; g++) {
@@ -186,38 +202,16 @@ INLINE void weigh_values(float *acc, const float *p, const float (*vb)[HEAD_DIM]
 }
 #endif
 
-/* one query's running maximum, sum and accumulator take a block's n scores (`sc`, replaced
-   by their weights) */
-INLINE void softmax_step(float *sc, int n, float *m, float *s, float *acc) {
-  float top = *m;
-  for (int j = 0; j < n; j++) top = sc[j] > top ? sc[j] : top;
-  const float alpha = exp_nonpos(*m - top);
-  float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-  for (int j = 0; j < n; j++) {
-    const float p = exp_nonpos(sc[j] - top);
-    sc[j] = p;
-    sum += p;
-  }
-  *s = *s * alpha + sum;
-  *m = top;
-  for (int d = 0; d < HEAD_DIM; d++) acc[d] *= alpha;
-}
-
 INLINE void pass_shared(const void *k_buf, const void *v_buf, const int64_t *slots,
                         int64_t n_keys, int64_t h, int64_t num_kv_heads, int nq,
                         float (*qf)[HEAD_DIM], float (*acc)[HEAD_DIM], float *m, float *s,
                         float (*sc)[BLOCK], const int bf16) {
   float row[HEAD_DIM], kt[HEAD_DIM][BLOCK], vb[BLOCK][HEAD_DIM];
   const int64_t row_bytes = HEAD_DIM * (bf16 ? 2 : 4);
-  for (int64_t j = 0; j < n_keys && j < BLOCK; j++)
-    prefetch_row(k_buf, (slots[j] * num_kv_heads + h) * row_bytes, row_bytes);
+  prefetch_first(k_buf, slots, n_keys, h, num_kv_heads, row_bytes);
   for (int64_t l0 = 0; l0 < n_keys; l0 += BLOCK) {
     const int n = (int)(n_keys - l0 < BLOCK ? n_keys - l0 : BLOCK);
-    for (int j = 0; j < n; j++)
-      prefetch_row(v_buf, (slots[l0 + j] * num_kv_heads + h) * row_bytes, row_bytes);
-    for (int64_t j = l0 + BLOCK; j < n_keys && j < l0 + 2 * BLOCK; j++)
-      prefetch_row(k_buf, (slots[j] * num_kv_heads + h) * row_bytes, row_bytes);
+    prefetch_block(k_buf, v_buf, slots, l0, n, n_keys, h, num_kv_heads, row_bytes);
     for (int j = 0; j < n; j++) {
       const float *key = row_at(row, k_buf, slots[l0 + j] * num_kv_heads + h, bf16);
       for (int d = 0; d < HEAD_DIM; d++) kt[d][j] = key[d];
