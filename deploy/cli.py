@@ -24,6 +24,7 @@ from pydantic import ValidationError
 from .config import AppConfig
 from .config_file import describe_error, load_yaml
 from .model_path import prepare_in_background
+from .process_tree import descendants, end_all
 
 if TYPE_CHECKING:
     from ray.serve import Application
@@ -33,6 +34,7 @@ logger = logging.getLogger("raydix")
 APP_NAME = "raydix"
 _NOT_FLAGS = {"autoscaling"}  # nested settings: YAML only
 STOP_MARGIN_S = 5.0  # beyond shutdown_timeout: Serve ending the replicas it had to stop
+PROCESS_GRACE_S = 10.0  # after ray.shutdown(): what it signalled ends on its own, or is killed
 STOP_CHECK_S = 1.0  # how often the main thread wakes to run a stop signal's handler
 
 
@@ -233,7 +235,12 @@ def _stop(config: AppConfig) -> None:
     except KeyboardInterrupt:
         logger.info("stopping at once")
     finally:
+        started = descendants(os.getpid())  # Ray's local processes among them
         ray.shutdown()  # a local instance ends with its processes; a joined one is left
+        killed = end_all(started, PROCESS_GRACE_S)
+        if killed:
+            logger.warning("killed %d processes still running %g s after Ray's shutdown: %s",
+                           len(killed), PROCESS_GRACE_S, ", ".join(killed))
 
 
 def _drop_router_actor(app_name: str) -> None:
