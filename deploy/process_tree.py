@@ -21,8 +21,8 @@ from pathlib import Path
 Processes = dict[int, tuple[str, int]]
 
 
-def _stat(pid: int | str) -> tuple[str, str, int, int] | None:
-    """(name, state, parent pid, start time) of a live process, None if gone or a zombie."""
+def _stat(pid: int | str) -> tuple[str, int, int] | None:
+    """(name, parent pid, start time) of a live process, None if gone or a zombie."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
@@ -30,7 +30,7 @@ def _stat(pid: int | str) -> tuple[str, str, int, int] | None:
     name, rest = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
     if rest[0] == "Z":  # ended, not yet reaped: holds nothing
         return None
-    return name, rest[0], int(rest[1]), int(rest[19])
+    return name, int(rest[1]), int(rest[19])
 
 
 def descendants(root: int) -> Processes:
@@ -42,7 +42,7 @@ def descendants(root: int) -> Processes:
     facts: dict[int, tuple[str, int]] = {}
     for entry in proc.iterdir():
         if entry.name.isdigit() and (stat := _stat(entry.name)) is not None:
-            name, _, parent, start = stat
+            name, parent, start = stat
             children.setdefault(parent, []).append(int(entry.name))
             facts[int(entry.name)] = (name, start)
     found: Processes = {}
@@ -60,7 +60,7 @@ def alive(processes: Processes) -> Processes:
     left: Processes = {}
     for pid, (name, start) in processes.items():
         stat = _stat(pid)
-        if stat is not None and stat[3] == start:
+        if stat is not None and stat[2] == start:
             left[pid] = (name, start)
     return left
 

@@ -328,13 +328,13 @@ static int64_t find_parts(const int64_t *slots, const int64_t *lens, int64_t bat
 }
 
 /* q and out `[batch, num_kv_heads, GROUP, HEAD_DIM]`; slots `[batch, max_len]`, of which the
-   first lens[b] are request b's (1 <= lens[b]; past max_len: max_len); all contiguous */
+   first lens[b] are request b's (1 <= lens[b]; past max_len: max_len); all contiguous;
+   scratch: 3 * batch + 1 int64s of the caller's (the rows' order and the parts) */
 #define ENTRY(NAME, BF16)                                                                      \
   void NAME(const void *q, const void *k_buf, const void *v_buf, const int64_t *slots,         \
-            const int64_t *lens, void *out, int64_t batch, int64_t max_len,                    \
+            const int64_t *lens, void *out, int64_t *scratch, int64_t batch, int64_t max_len,  \
             int64_t num_kv_heads, float scale, int threads) {                                  \
-    int64_t *order = malloc((size_t)(3 * batch + 1) * sizeof(int64_t));                        \
-    int64_t *start = order + batch, *shared = start + batch + 1;                               \
+    int64_t *order = scratch, *start = order + batch, *shared = start + batch + 1;             \
     const int64_t parts = find_parts(slots, lens, batch, max_len, order, start, shared);       \
     _Pragma("omp parallel for schedule(dynamic, 1) num_threads(threads)")                     \
     for (int64_t item = 0; item < parts * num_kv_heads; item++) {                              \
@@ -342,7 +342,6 @@ static int64_t find_parts(const int64_t *slots, const int64_t *lens, int64_t bat
       attend(q, k_buf, v_buf, slots, lens, order + start[p], (int)(start[p + 1] - start[p]),   \
              shared[p], max_len, out, item % num_kv_heads, num_kv_heads, scale, BF16);         \
     }                                                                                          \
-    free(order);                                                                               \
   }
 
 ENTRY(paged_decode_bf16, 1)

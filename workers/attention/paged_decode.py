@@ -62,7 +62,7 @@ def paged_decode_reference(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Te
 def _library(head_dim: int, group: int) -> ctypes.CDLL:
     lib = _libraries.get((head_dim, group))
     if lib is None:
-        argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 3 + [ctypes.c_float, ctypes.c_int]
+        argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 3 + [ctypes.c_float, ctypes.c_int]
         lib = load(SOURCE, {"HEAD_DIM": head_dim, "GROUP": group},
                    dict.fromkeys(DTYPES.values(), argtypes))
         _libraries[(head_dim, group)] = lib
@@ -79,10 +79,11 @@ def paged_decode(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, slot
     batch, num_kv_heads, group, head_dim = q.shape
     q, slots, lens = q.contiguous(), slots.contiguous(), lens.contiguous()
     out = torch.empty_like(q)
+    scratch = torch.empty(3 * batch + 1, dtype=torch.int64)  # the kernel's row order and parts
     fn = getattr(_library(head_dim, group), DTYPES[q.dtype])
     fn(q.data_ptr(), k_buf.data_ptr(), v_buf.data_ptr(), slots.data_ptr(), lens.data_ptr(),
-       out.data_ptr(), batch, slots.shape[1], num_kv_heads, head_dim ** -0.5,
-       torch.get_num_threads())
+       out.data_ptr(), scratch.data_ptr(), batch, slots.shape[1], num_kv_heads,
+       head_dim ** -0.5, torch.get_num_threads())
     return out
 
 
