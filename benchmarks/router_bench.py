@@ -138,7 +138,7 @@ def _workloads(args: argparse.Namespace, seed: int) -> list[Workload]:
     """The workloads of one arrival mode: the closed loop gets other prompts (another seed) than
     the Poisson run before it, so it starts on pools full of prefixes it will not use."""
     every = {"tenants": lambda: tenants(args.replicas * args.kv_tokens, args.pressure,
-                                        seed=seed),
+                                        users=args.tenant_users, seed=seed),
              "zipf": lambda: zipf(seed=seed + 1), "sessions": lambda: sessions(seed=seed + 2)}
     return [every[name]() for name in args.workloads]
 
@@ -263,6 +263,8 @@ def main() -> None:
     http.add_argument("--kv-tokens", type=int, default=4096, help="KV pool tokens per replica")
     http.add_argument("--pressure", type=float, default=0.75,
                       help="tenants: their contexts' share of the cluster's KV")
+    http.add_argument("--tenant-users", type=int, default=6,
+                      help="tenants: questions per tenant")
     http.add_argument("--model", default="bench",
                       help="bench (a random 4-layer Llama, see bench_model), default, or a folder")
     http.add_argument("--model-dir", default=str(Path.home() / ".cache/raydix/router-bench"))
