@@ -2,8 +2,9 @@
 
 Per run: hit rate (usage ``cached_tokens / prompt_tokens``), output throughput over the wall
 time, TTFT mean / p90 / p99, and the load spread: the busiest replica's share of the prompt
-tokens computed (not served from cache) over the mean replica's (1.0 is even), read from the
-replicas' counters on /metrics before and after the run.
+tokens computed (not served from cache) over the mean replica's (1.0 is even), and the output
+tokens per engine step (over all replicas: fewer is the same work in more, smaller batches),
+read from the replicas' counters on /metrics before and after the run.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import httpx
 import numpy as np
 from _router_workloads import Workload
 
-_COUNTER = re.compile(r'^raydix_engine_(prompt_tokens|cached_tokens|finished_requests)_total'
+_COUNTER = re.compile(r'^raydix_engine_(prompt_tokens|cached_tokens|finished_requests|steps)_total'
                       r'\{replica="([^"]+)"\} ([0-9.e+]+)$', re.M)
 _TRACED = re.compile(r'^raydix_(?:engine_)?(prompt_tokens_total|cached_tokens_total|'
                      r'num_running_requests|num_waiting_requests|kv_used_tokens)'
@@ -103,12 +104,16 @@ async def _run(url: str, workload: Workload, concurrency: int | None, rate: floa
             computed[replica] = computed.get(replica, 0.0) + (delta if name == "prompt_tokens"
                                                                  else -delta)
     loads = np.array(list(computed.values()) or [0.0])
+    steps = sum(v - before.get(k, 0.0) for k, v in after.items() if k[0] == "steps")
+    output_tokens = sum(r[3] for r in results)
     return {"hit_rate": sum(r[2] for r in results) / max(prompt_tokens, 1),
-            "throughput": sum(r[3] for r in results) / wall,
+            "throughput": output_tokens / wall,
             "ttft_mean": float(np.nanmean(ttft)), "ttft_p90": float(np.nanpercentile(ttft, 90)),
             "ttft_p99": float(np.nanpercentile(ttft, 99)),
             "spread": float(loads.max() / loads.mean()) if loads.mean() > 0 else 1.0,
             "wall_s": wall, "requests": float(len(results)),
+            # the engines' steps over the run: few tokens a step is many small batches
+            "steps": steps, "tokens_per_step": output_tokens / steps if steps else 0.0,
             **({"per_request": [[round(r[0], 3), r[2]] for r in results]} if trace is not None
                else {})}
 

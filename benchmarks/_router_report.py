@@ -8,14 +8,14 @@ OURS = "cache_aware"
 
 def table(results: Results, run: str, ideal: float) -> str:
     rows = [f"| router | hit rate (ideal {ideal:.3f}) | output tok/s | TTFT mean | TTFT p90 | TTFT p99 "
-            "| load spread | wall |", "|---|---|---|---|---|---|---|---|"]
+            "| load spread | tok/step | wall |", "|---|---|---|---|---|---|---|---|---|"]
     for router, runs in results.items():
         if run not in runs:
             continue
         r = runs[run]
         rows.append(f"| {router} | {r['hit_rate']:.3f} | {r['throughput']:.1f} | "
                     f"{r['ttft_mean']:.2f} s | {r['ttft_p90']:.2f} s | {r['ttft_p99']:.2f} s | "
-                    f"{r['spread']:.2f} | {r['wall_s']:.0f} s |")
+                    f"{r['spread']:.2f} | {r.get('tokens_per_step', 0.0):.2f} | {r['wall_s']:.0f} s |")
     return "\n".join(rows)
 
 

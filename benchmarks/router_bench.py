@@ -215,7 +215,8 @@ def http_compare(args: argparse.Namespace) -> None:
                     print(f"{router:>14} {run:>16}: hit {r['hit_rate']:.3f}, "
                           f"{r['throughput']:.1f} tok/s, TTFT mean {r['ttft_mean']:.2f} s "
                           f"p90 {r['ttft_p90']:.2f} s p99 {r['ttft_p99']:.2f} s, spread "
-                          f"{r['spread']:.2f}, {r['wall_s']:.0f} s", flush=True)
+                          f"{r['spread']:.2f}, {r['tokens_per_step']:.2f} tok/step, {r['wall_s']:.0f} s",
+                          flush=True)
             _drop_app(app)
     finally:
         serve.shutdown()

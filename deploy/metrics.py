@@ -141,6 +141,8 @@ _ENGINE_COUNTERS = (
     ("raydix_engine_retractions", "requests sent back to the queue for memory",
      "num_retractions"),
     ("raydix_engine_finished_requests", "requests finished", "num_finished"),
+    ("raydix_engine_steps", "engine steps run (each one batch of prompt chunks and decode rows)",
+     "num_steps"),
     ("raydix_engine_host_hit_tokens", "prompt tokens loaded back from the host KV tier",
      "num_host_hit_tokens"),
     ("raydix_engine_host_loaded_tokens", "tokens copied from the host KV tier to the device",

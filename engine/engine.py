@@ -235,6 +235,7 @@ class Engine:
             num_cached_tokens=sched.stats.num_cached_tokens,
             num_retractions=sched.stats.num_retractions,
             num_finished=sched.stats.num_finished,
+            num_steps=sched.stats.num_steps,
         )
         return self._with_host_metrics(metrics)
 

@@ -28,6 +28,7 @@ class EngineMetrics(NamedTuple):
     num_written_tokens: int = 0  # device -> host since start
     load_throughput: float = 0.0  # tokens loaded back per second since start
     write_throughput: float = 0.0  # tokens written to the host per second since start
+    num_steps: int = 0  # steps run since start (each one batch: prompt chunks and decode rows)
 
 
 @dataclass

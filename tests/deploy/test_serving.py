@@ -194,6 +194,9 @@ def test_metrics_are_fresh_when_scraped(server: str) -> None:
     assert metric(after, "raydix_kv_used_tokens") == 0.0
     generated = "raydix_engine_generated_tokens_total"
     assert metric(after, generated) - metric(before, generated) == 40
+    # alone in the engine: one step for the prompt (its first token), one for each other token
+    steps = "raydix_engine_steps_total"
+    assert metric(after, steps) - metric(before, steps) == 40
 
 
 def test_the_replicas_froze_their_start_up_heap(server: str) -> None:
