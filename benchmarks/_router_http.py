@@ -4,7 +4,8 @@ Per run: hit rate (usage ``cached_tokens / prompt_tokens``), output throughput o
 time, TTFT mean / p90 / p99, and the load spread: the busiest replica's share of the prompt
 tokens computed (not served from cache) over the mean replica's (1.0 is even), and the output
 tokens per engine step (over all replicas: fewer is the same work in more, smaller batches),
-read from the replicas' counters on /metrics before and after the run.
+read from the replicas' counters on /metrics before and after the run; and the CPU seconds each
+part of the stack used during the run (engines, ingress, proxy, router, client: `cpu_by_role`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,37 @@ _TRACED = re.compile(r'^raydix_(?:engine_)?(prompt_tokens_total|cached_tokens_to
                      r'num_running_requests|num_waiting_requests|kv_used_tokens)'
                      r'\{replica="([^"]+)"\} ([0-9.e+]+)$', re.M)
 TRACE_PERIOD_S = 0.5
+# a Ray worker's title (``ray::<actor class or task>``) -> its role in the bench's tables
+_ROLES = (("EngineServer", "engines"), ("OpenAIIngress", "ingress"), ("ProxyActor", "proxy"),
+          ("RouterActor", "router"), ("LlmPrefixTreeActor", "router"),
+          ("StatsBoard", "stats board"))
+
+
+def cpu_by_role() -> dict[str, float]:
+    """CPU seconds (user + system) used so far by this machine's Ray workers, by role, each with
+    its own child processes (an engine replica's engine process); the bench's own process is
+    the client. Read before and after a run: what each part of the stack spent on it."""
+    import os
+
+    import psutil
+
+    def seconds(proc: psutil.Process) -> float:
+        times = proc.cpu_times()
+        return float(times.user + times.system)
+
+    out = {"client": seconds(psutil.Process(os.getpid()))}
+    for proc in psutil.process_iter(["cmdline"]):
+        title = (proc.info["cmdline"] or [""])[0]
+        if not title.startswith("ray::") or title.startswith("ray::IDLE"):
+            continue
+        role = next((r for key, r in _ROLES if key in title), "other Ray workers")
+        try:
+            own = [proc] + [c for c in proc.children(recursive=True)
+                            if not (c.cmdline() or [""])[0].startswith("ray::")]
+            out[role] = out.get(role, 0.0) + sum(seconds(p) for p in own)
+        except psutil.Error:  # ended while read
+            continue
+    return out
 
 
 async def _one(client: httpx.AsyncClient, url: str, prompt: list[int], max_tokens: int
@@ -78,6 +110,7 @@ async def _run(url: str, workload: Workload, concurrency: int | None, rate: floa
     limits = httpx.Limits(max_connections=512, max_keepalive_connections=512)
     async with httpx.AsyncClient(timeout=900, limits=limits) as client:
         before = await _counters(client, url)
+        cpu_before = cpu_by_role()
         t0 = time.perf_counter()
         poller = asyncio.create_task(_trace(client, url, t0, trace)) if trace is not None \
             else None
@@ -90,6 +123,7 @@ async def _run(url: str, workload: Workload, concurrency: int | None, rate: floa
 
         done = await asyncio.gather(*(session(i, s) for i, s in enumerate(workload.sessions)))
         wall = time.perf_counter() - t0
+        cpu_after = cpu_by_role()
         if poller is not None:
             poller.cancel()
         await asyncio.sleep(1.5)  # the replicas' stats reach the board about once a second
@@ -114,6 +148,9 @@ async def _run(url: str, workload: Workload, concurrency: int | None, rate: floa
             "wall_s": wall, "requests": float(len(results)),
             # the engines' steps over the run: few tokens a step is many small batches
             "steps": steps, "tokens_per_step": output_tokens / steps if steps else 0.0,
+            # CPU seconds each part of the stack spent during the run (the machine's, by role)
+            "cpu_s": {role: round(cpu_after[role] - cpu_before.get(role, 0.0), 2)
+                      for role in cpu_after},
             **({"per_request": [[round(r[0], 3), r[2]] for r in results]} if trace is not None
                else {})}
 

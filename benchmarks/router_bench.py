@@ -217,6 +217,8 @@ def http_compare(args: argparse.Namespace) -> None:
                           f"p90 {r['ttft_p90']:.2f} s p99 {r['ttft_p99']:.2f} s, spread "
                           f"{r['spread']:.2f}, {r['tokens_per_step']:.2f} tok/step, {r['wall_s']:.0f} s",
                           flush=True)
+                    print(" " * 16 + "CPU s: " + ", ".join(
+                        f"{role} {s:.1f}" for role, s in sorted(r["cpu_s"].items())), flush=True)
             _drop_app(app)
     finally:
         serve.shutdown()
