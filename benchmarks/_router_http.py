@@ -28,7 +28,7 @@ _TRACED = re.compile(r'^raydix_(?:engine_)?(prompt_tokens_total|cached_tokens_to
 TRACE_PERIOD_S = 0.5
 # a Ray worker's title (``ray::<actor class or task>``) -> its role in the bench's tables
 _ROLES = (("EngineServer", "engines"), ("OpenAIIngress", "ingress"), ("ProxyActor", "proxy"),
-          ("RouterActor", "router"), ("LlmPrefixTreeActor", "router"),
+          ("RouterActor", "router"), ("PrefixTreeActor", "router"),
           ("StatsBoard", "stats board"))
 
 
