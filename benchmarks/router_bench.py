@@ -22,10 +22,14 @@ then cache_aware's ratios to each baseline, and a text plot per workload.
 
 The model is by default a random 4-layer Llama with the real tokenizer (`bench_model`): its
 prefill is costly and its decode cheap, as on a GPU, and a run takes about a minute on a CPU.
+Replicas that share this machine's cores slow each other, which a cluster's replicas do not (each
+has its GPU): `--simulate SCALE` runs every replica's real scheduler and cache over a simulated
+device instead, whose steps take an H100's estimated time for an 8B model, SCALE times slower
+(`StepCost`), and use no CPU.
 
     python benchmarks/router_bench.py http [--routers ...] [--workloads tenants zipf sessions]
         [--modes poisson closed] [--rate tenants=1.5] [--concurrency 12] [--kv-tokens 4096]
-        [--json out.json]
+        [--simulate 50] [--json out.json]
 """
 
 from __future__ import annotations
@@ -138,7 +142,8 @@ def _workloads(args: argparse.Namespace, seed: int) -> list[Workload]:
     """The workloads of one arrival mode: the closed loop gets other prompts (another seed) than
     the Poisson run before it, so it starts on pools full of prefixes it will not use."""
     every = {"tenants": lambda: tenants(args.replicas * args.kv_tokens, args.pressure,
-                                        users=args.tenant_users, seed=seed),
+                                        context=args.tenant_context, users=args.tenant_users,
+                                        seed=seed),
              "zipf": lambda: zipf(seed=seed + 1), "sessions": lambda: sessions(seed=seed + 2)}
     return [every[name]() for name in args.workloads]
 
@@ -166,8 +171,11 @@ def http_compare(args: argparse.Namespace) -> None:
     import ray
     from ray import serve
 
-    from raydix.deploy.app import build_app
+    from raydix.deploy.app import bind_app
     from raydix.deploy.config import AppConfig
+    from raydix.deploy.server import build_engine
+    from raydix.deploy.simulated_engine import simulated_engine_factory
+    from raydix.engine.simulated_executor import StepCost
 
     instances = {mode: _workloads(args, 0 if mode == "poisson" else 100) for mode in args.modes}
     workloads = instances[args.modes[0]]
@@ -182,6 +190,11 @@ def http_compare(args: argparse.Namespace) -> None:
              include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": args.port})
     url = f"http://127.0.0.1:{args.port}"
+    factory = build_engine
+    if args.simulate is not None:
+        cost = StepCost(scale=args.simulate)
+        factory = simulated_engine_factory(cost)
+        print(f"simulated replicas: {cost}", flush=True)
     results: Results = {}
     traces: dict[str, dict[str, object]] = {}
     context = max(w.max_prompt_len + w.max_tokens for ws in instances.values() for w in ws) + 8
@@ -199,7 +212,7 @@ def http_compare(args: argparse.Namespace) -> None:
                                max_context_len=context, max_total_tokens=args.kv_tokens,
                                max_running_requests=args.max_running, **options)
             app = f"bench-{router}"
-            serve.run(build_app(config), name=app, route_prefix="/")
+            serve.run(bind_app(config, engine_factory=factory), name=app, route_prefix="/")
             warm_up(url, args.replicas)
             for i, w in enumerate(workloads):
                 for mode in args.modes:
@@ -268,6 +281,13 @@ def main() -> None:
                       help="tenants: their contexts' share of the cluster's KV")
     http.add_argument("--tenant-users", type=int, default=6,
                       help="tenants: questions per tenant")
+    http.add_argument("--tenant-context", type=int, default=1024,
+                      help="tenants: tokens of each tenant's context")
+    http.add_argument("--simulate", type=float, metavar="SCALE",
+                      help="replicas over a simulated device (engine/simulated_executor.py): "
+                           "each with a GPU's step times of its own (StepCost's, slowed SCALE "
+                           "times) instead of sharing this machine's cores; the model folder "
+                           "gives only the tokenizer")
     http.add_argument("--model", default="bench",
                       help="bench (a random 4-layer Llama, see bench_model), default, or a folder")
     http.add_argument("--model-dir", default=str(Path.home() / ".cache/raydix/router-bench"))

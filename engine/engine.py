@@ -101,11 +101,11 @@ class Engine:
         params = params or GenerationParams()
         rid = rid if rid is not None else f"req-{next(self._rids)}"
         prompt = np.asarray(prompt_ids, dtype=np.int32)
+        if params.sampling.grammar is not None:  # compiles while the request waits its turn
+            self.executor.prepare_grammar(params.sampling.grammar)  # (or refuses it)
         self.scheduler.add_request(Request(rid, prompt, params))
         if process_outputs:
             self._processors[rid] = self.output_processor(prompt.tolist(), params)
-        if params.sampling.grammar is not None:  # compiles while the request waits its turn
-            self.executor.prepare_grammar(params.sampling.grammar)
         return rid
 
     def output_processor(self, prompt_ids: Sequence[int],
