@@ -186,6 +186,12 @@ class AppConfig(BaseModel):
         "counts against a token of another request's queue (its own wait and the capacity it "
         "takes from the requests behind it), on an empty KV pool; twice that on a full one"
     )
+    tie_share: float = Field(
+        0.15, ge=0, lt=1, description="cache_aware, ttft: replicas whose expected waits are "
+        "within this share of the shortest are a tie, which the longest cached match wins (the "
+        "estimate is no finer: a copy of a prefix made for a few percent of wait stays in a "
+        "pool other prefixes need)"
+    )
     cache_threshold: float = Field(
         0.5, ge=0, le=1, description="cache_aware, threshold: least share of the prompt a "
         "replica must hold"

@@ -25,6 +25,7 @@ def routing_policy(config: AppConfig) -> RoutingPolicyConfig | None:
     return RoutingPolicyConfig(mode=config.routing_policy,
                                request_cost_tokens=config.request_cost_tokens,
                                miss_cost=config.miss_cost,
+                               tie_share=config.tie_share,
                                cache_threshold=config.cache_threshold,
                                balance_abs_threshold=config.balance_abs_threshold,
                                balance_rel_threshold=config.balance_rel_threshold,

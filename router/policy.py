@@ -51,6 +51,8 @@ class RoutingPolicyConfig:
     # ttft: what a prompt token to compute counts against a token of another request's queue,
     # and again for each token it evicts from a full pool (a prefix others would hit)
     miss_cost: float = 2.0
+    # ttft: costs within this share of the lowest are a tie, which the longest match wins
+    tie_share: float = 0.15
     cache_threshold: float = 0.5
     balance_abs_threshold: int = 32
     balance_rel_threshold: float = 1.5
@@ -66,6 +68,8 @@ class RoutingPolicyConfig:
             raise ValueError(f"miss_cost must be >= 1, got {self.miss_cost}")
         if self.request_cost_tokens < 0:
             raise ValueError(f"request_cost_tokens must be >= 0, got {self.request_cost_tokens}")
+        if not 0.0 <= self.tie_share < 1.0:
+            raise ValueError(f"tie_share must be in [0, 1), got {self.tie_share}")
         if not 0.0 <= self.host_hit_weight <= 1.0:
             raise ValueError(f"host_hit_weight must be in [0, 1], got {self.host_hit_weight}")
         if not 0.0 <= self.cache_threshold <= 1.0:

@@ -94,7 +94,8 @@ class RouterState:
         self.in_transit = RequestsInTransit(min(TRANSIT_TTL_S, in_flight_ttl_s), clock=clock)
         self.policy = CacheAwarePolicy(policy)  # its config: the settings of either mode
         self.ttft_policy = ExpectedTTFTPolicy(self.policy.config.request_cost_tokens,
-                                              self.policy.config.miss_cost)
+                                              self.policy.config.miss_cost,
+                                              self.policy.config.tie_share)
         self._by_ttft = self.policy.config.mode == "ttft"
         self.exact = exact
         self.max_approx_tokens = max_approx_tokens

@@ -32,8 +32,12 @@ weighed against its queue. What follows from it:
 - a prefix held only in a replica's host tier counts ``host_hit_weight`` per token
   (``RouterState`` folds that into ``matched``).
 
-Costs less than one request's cost (``request_cost_tokens``) apart are a tie, the model being
-no finer than that: among them the longest match (matches that close counting as equal), then
+Costs less than one request's cost (``request_cost_tokens``) or ``tie_share`` of the lowest
+cost (default 15%) apart are a tie, the model being no finer than that (the load is a guess per
+request, the evictions a count of tokens whatever their worth): among them the longest match
+(matches that close counting as equal; so a holder keeps a prefix that another replica would
+copy for a few percent of one request's wait, a copy that would take pool space later prefixes
+need), then
 the least load, then a rotating start (in replica-name order), so a run of cold prompts spreads
 over idle replicas though a few of their first tokens happen to be cached on some (a one-token
 match must not draw every cold prompt). The rotation advances only when such a tie is broken.
@@ -49,13 +53,17 @@ ReplicaId = Hashable
 
 
 class ExpectedTTFTPolicy:
-    def __init__(self, request_cost_tokens: float = 32.0, miss_cost: float = 2.0) -> None:
+    def __init__(self, request_cost_tokens: float = 32.0, miss_cost: float = 2.0,
+                 tie_share: float = 0.15) -> None:
         if request_cost_tokens < 0:
             raise ValueError(f"request_cost_tokens must be >= 0, got {request_cost_tokens}")
         if miss_cost < 1:
             raise ValueError(f"miss_cost must be >= 1, got {miss_cost}")
+        if not 0.0 <= tie_share < 1.0:
+            raise ValueError(f"tie_share must be in [0, 1), got {tie_share}")
         self.request_cost_tokens = request_cost_tokens
         self.miss_cost = miss_cost
+        self.tie_share = tie_share
         self._turn = 0
 
     def cost(self, prompt_len: int, matched: int, backlog: float, load: float,
@@ -83,7 +91,7 @@ class ExpectedTTFTPolicy:
         # one pass, no per-replica calls (64 replicas: this loop is most of a decision)
         free_of = (free or {}).get
         matched_of, load_of, backlog_of = matched.get, loads.get, backlog.get
-        miss_cost, request_cost = self.miss_cost, self.request_cost_tokens
+        miss_cost, request_cost, share = self.miss_cost, self.request_cost_tokens, self.tie_share
         scored: list[tuple[float, int, float, ReplicaId]] = []
         low, best_len = float("inf"), 0
         for r in replicas:
@@ -95,13 +103,13 @@ class ExpectedTTFTPolicy:
             room = free_of(r)
             if room is not None and to_compute > room:  # it evicts
                 c += miss_cost * min(to_compute - room, to_compute)
-            if c <= low + request_cost:
+            if c <= low + max(request_cost, share * low):
                 scored.append((c, m, load, r))
                 if c < low:
                     low = c
-        # costs less than one request's apart are a tie: among them the longest match (matches
-        # as close), then the least load, then in turn
-        near = [e for e in scored if e[0] <= low + request_cost]
+        # costs less than one request's or tie_share of the lowest apart are a tie: among them
+        # the longest match (matches as close), then the least load, then in turn
+        near = [e for e in scored if e[0] <= low + max(request_cost, share * low)]
         top_m = max(e[1] for e in near)
         near = [e for e in near if e[1] >= top_m - request_cost]
         least = min(e[2] for e in near)

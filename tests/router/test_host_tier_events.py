@@ -124,7 +124,7 @@ def test_expected_ttft_counts_a_host_hit_as_a_cheaper_miss() -> None:
     prompt = np.arange(2, 202, dtype=np.int32)  # 200 tokens
 
     def route(backlog_host: int) -> str:
-        state = RouterState(page_size=1, policy=RoutingPolicyConfig(request_cost_tokens=0))
+        state = RouterState(page_size=1, policy=RoutingPolicyConfig(request_cost_tokens=0, tie_share=0))
         state.set_replicas(["host", "cold"])
         state.publish("host", [CacheEvent(0, EventKind.CLEARED, None, prompt[:0], 0),
                                CacheEvent(1, EventKind.INSERTED, None, prompt[:160], 160),

@@ -16,16 +16,40 @@ R = ["r0", "r1", "r2"]
 
 
 def test_a_holder_keeps_its_prefix_until_its_backlog_outweighs_it() -> None:
-    policy = ExpectedTTFTPolicy(request_cost_tokens=0, miss_cost=1)
+    policy = ExpectedTTFTPolicy(request_cost_tokens=0, miss_cost=1, tie_share=0)
     matched = {"r1": 900}
     # r1 holds 900 of 1,000 tokens: 100 to compute behind 800 queued beats 1,000 on an idle one
     assert policy.choose(R, 1000, matched, {}, {"r1": 800}) == ("r1", 900, "cache")
     # behind 950 queued, computing the whole prompt on an idle replica is sooner: it overflows
     assert policy.choose(R, 1000, matched, {}, {"r1": 950}).reason == "balance"
     # a miss counted twice: the holder keeps it up to 1,800 queued
-    policy = ExpectedTTFTPolicy(request_cost_tokens=0, miss_cost=2)
+    policy = ExpectedTTFTPolicy(request_cost_tokens=0, miss_cost=2, tie_share=0)
     assert policy.choose(R, 1000, matched, {}, {"r1": 1750}) == ("r1", 900, "cache")
     assert policy.choose(R, 1000, matched, {}, {"r1": 1850}).reason == "balance"
+
+
+def test_costs_within_the_tie_share_are_a_tie_that_the_holder_wins() -> None:
+    """The default tie share: a holder keeps its prefix while its expected wait is within 15%
+    of the best other's (a copy made elsewhere for a few percent of one request's wait takes
+    pool space every later prefix needs); beyond that it spills as before."""
+    policy = ExpectedTTFTPolicy(request_cost_tokens=0, miss_cost=1)
+    matched = {"r1": 900}
+    # 100 + 950 = 1,050 against 1,000 on an idle replica: within 15%
+    assert policy.choose(R, 1000, matched, {}, {"r1": 950}) == ("r1", 900, "cache")
+    assert policy.choose(R, 1000, matched, {}, {"r1": 1050}) == ("r1", 900, "cache")
+    assert policy.choose(R, 1000, matched, {}, {"r1": 1100}).reason == "balance"  # 1,200
+    # as the simulated cluster met it (router_bench http --simulate, workload 1): a tenant's
+    # holder 2,336 tokens behind with a full pool, an idle replica with room:
+    # 2 * 64 + 2 * 64 + 2,336 + 320 = 2,912 against 2 * 1,088 + 160 + 288 = 2,624 (11% apart)
+    policy = ExpectedTTFTPolicy()
+    d = policy.choose(R, 1088, {"r0": 1024}, {"r0": 10, "r1": 9, "r2": 11},
+                      {"r0": 2336, "r1": 160, "r2": 2336}, {"r0": 0, "r1": 1744, "r2": 0})
+    assert d == ("r0", 1024, "cache")
+    assert ExpectedTTFTPolicy(tie_share=0).choose(
+        R, 1088, {"r0": 1024}, {"r0": 10, "r1": 9, "r2": 11},
+        {"r0": 2336, "r1": 160, "r2": 2336}, {"r0": 0, "r1": 1744, "r2": 0}).replica == "r1"
+    with pytest.raises(ValueError, match="tie_share"):
+        ExpectedTTFTPolicy(tie_share=1.0)
 
 
 def test_a_burst_of_one_cold_group_stays_together() -> None:
@@ -175,9 +199,10 @@ class Reference:
     replica reporting nothing running or waiting forgets the prompts routed to it at least
     ``IDLE_GRACE_S`` before (they went elsewhere)."""
 
-    def __init__(self, request_cost: float, miss_cost: float) -> None:
+    def __init__(self, request_cost: float, miss_cost: float, tie_share: float) -> None:
         self.request_cost = request_cost
         self.miss_cost = miss_cost
+        self.tie_share = tie_share
         self.capacity: dict[str, int] = {}
         self.pending: dict[str, list[tuple[list[int], int, float]]] = {r: [] for r in R}
         self.turn = 0
@@ -196,8 +221,10 @@ class Reference:
             evicted = min(max(to_compute - free, 0), to_compute)
             costs[r] = (self.miss_cost * (to_compute + evicted) + backlog[r]
                         + self.request_cost * loads[r])
-        # within one request's cost: a tie; then the longest match (as close), least load
-        near = [r for r in R if costs[r] <= min(costs.values()) + self.request_cost]
+        # within one request's cost or the tie share of the lowest: a tie; then the longest
+        # match (as close), least load
+        low = min(costs.values())
+        near = [r for r in R if costs[r] <= low + max(self.request_cost, self.tie_share * low)]
         top = max(matched[r] for r in near)
         near = [r for r in near if matched[r] >= top - self.request_cost]
         tied = sorted(r for r in near if loads[r] == min(loads[q] for q in near))
@@ -226,7 +253,8 @@ def test_router_state_decides_as_the_reference(seed: int) -> None:
     clock = [0.0]
     state = RouterState(page_size=1, clock=lambda: clock[0])
     state.set_replicas(R)
-    reference = Reference(state.ttft_policy.request_cost_tokens, state.ttft_policy.miss_cost)
+    reference = Reference(state.ttft_policy.request_cost_tokens, state.ttft_policy.miss_cost,
+                          state.ttft_policy.tie_share)
     buffers = {r: EventBuffer() for r in R}
     caches = {r: RadixCache(event_sink=buffers[r]) for r in R}
     slots = itertools.count(1)
