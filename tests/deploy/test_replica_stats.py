@@ -21,59 +21,22 @@ from raydix.deploy.replica_stats import ReplicaStats
 from raydix.deploy.server import EngineServer, ReplicaSettings
 from raydix.engine.config import EngineConfig, SchedulerConfig
 from raydix.engine.engine import Engine
-from raydix.engine.executor import RankLocation
 from raydix.engine.request import GenerationParams
+from raydix.engine.simulated_executor import SimulatedExecutor, StepCost
 from raydix.workers.config import WorkerConfig
-from raydix.workers.step import StepPlan, StepResult
 
 NUM_SLOTS = 4_000_000  # about the pool of an 80 GB GPU; the audit walks it in seconds
 STEP_S = 0.02  # one step of the stand-in executor
 PROMPT = list(range(10, 40))
 
 
-class SleepingExecutor:
-    """The ranks' stand-in: `max_num_tokens` slots; a step sleeps `step_s` and samples token 7
-    for every request."""
-
-    def __init__(self, max_num_tokens: int, step_s: float) -> None:
-        self._max_num_tokens = max_num_tokens
-        self.step_s = step_s
-
-    @property
-    def max_num_tokens(self) -> int:
-        return self._max_num_tokens
-
-    @property
-    def max_host_tokens(self) -> int:
-        return 0
-
-    def step(self, plan: StepPlan) -> StepResult:
-        time.sleep(self.step_s)
-        n = plan.batch_size
-        return StepResult(plan.step_id, np.full(n, 7, np.int64), None, np.zeros(n, bool))
-
-    def ranks(self) -> tuple[RankLocation, ...]:
-        return (RankLocation(0, None, None),)
-
-    def check_health(self) -> None:
-        return None
-
-    async def check_health_async(self) -> None:
-        return None
-
-    def prepare_grammar(self, spec: object) -> None:
-        raise NotImplementedError
-
-    def shutdown(self) -> None:
-        return None
-
-
 def factory(num_slots: int, step_s: float = STEP_S
             ) -> Callable[[EngineConfig, ReplicaSettings, EventSink | None], Engine]:
     def make(config: EngineConfig, settings: ReplicaSettings,
              event_sink: EventSink | None) -> Engine:
-        return Engine(config, executor=SleepingExecutor(num_slots, step_s),
-                      event_sink=event_sink)
+        # the ranks' stand-in: a step sleeps `step_s` and samples token 7 for every request
+        executor = SimulatedExecutor(num_slots, StepCost(step_s, 0.0, 0.0), token_id=7)
+        return Engine(config, executor=executor, event_sink=event_sink)
     return make
 
 
