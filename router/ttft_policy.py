@@ -32,15 +32,15 @@ weighed against its queue. What follows from it:
 - a prefix held only in a replica's host tier counts ``host_hit_weight`` per token
   (``RouterState`` folds that into ``matched``).
 
-Costs less than one request's cost (``request_cost_tokens``) or ``tie_share`` of the lowest
-cost (default 15%) apart are a tie, the model being no finer than that (the load is a guess per
-request, the evictions a count of tokens whatever their worth): among them the longest match
-(matches that close counting as equal; so a holder keeps a prefix that another replica would
-copy for a few percent of one request's wait, a copy that would take pool space later prefixes
-need), then
+Costs less than one request's cost (``request_cost_tokens``) apart are a tie, the model being
+no finer than that: among them the longest match (matches that close counting as equal), then
 the least load, then a rotating start (in replica-name order), so a run of cold prompts spreads
 over idle replicas though a few of their first tokens happen to be cached on some (a one-token
 match must not draw every cold prompt). The rotation advances only when such a tie is broken.
+A replica with a longer match than those, at a cost within ``tie_share`` of the lowest (default
+15%), wins over them: the cost model is no finer than that (the load is a guess per request,
+the evictions a count of tokens whatever their worth), and a copy of a prefix made elsewhere to
+save one request a few percent of its wait takes pool space that later prefixes need.
 """
 
 from __future__ import annotations
@@ -103,14 +103,20 @@ class ExpectedTTFTPolicy:
             room = free_of(r)
             if room is not None and to_compute > room:  # it evicts
                 c += miss_cost * min(to_compute - room, to_compute)
-            if c <= low + max(request_cost, share * low):
+            if c <= low + request_cost or (m and c <= low + max(request_cost, share * low)):
                 scored.append((c, m, load, r))
                 if c < low:
                     low = c
-        # costs less than one request's or tie_share of the lowest apart are a tie: among them
-        # the longest match (matches as close), then the least load, then in turn
-        near = [e for e in scored if e[0] <= low + max(request_cost, share * low)]
+        # costs less than one request's apart are a tie: among them the longest match (matches
+        # as close), then the least load, then in turn; a longer match than theirs within
+        # tie_share of the lowest cost wins over them (a copy would save a few percent)
+        near = [e for e in scored if e[0] <= low + request_cost]
         top_m = max(e[1] for e in near)
+        if share and best_len > top_m + request_cost:
+            band = low + max(request_cost, share * low)
+            longer = [e for e in scored if e[0] <= band and e[1] > top_m + request_cost]
+            if longer:
+                near, top_m = longer, max(e[1] for e in longer)
         near = [e for e in near if e[1] >= top_m - request_cost]
         least = min(e[2] for e in near)
         best = [e[3] for e in near if e[2] == least]

@@ -221,11 +221,15 @@ class Reference:
             evicted = min(max(to_compute - free, 0), to_compute)
             costs[r] = (self.miss_cost * (to_compute + evicted) + backlog[r]
                         + self.request_cost * loads[r])
-        # within one request's cost or the tie share of the lowest: a tie; then the longest
-        # match (as close), least load
+        # within one request's cost: a tie; a longer match within the tie share of the lowest
+        # cost wins over them; then the longest match (as close), least load
         low = min(costs.values())
-        near = [r for r in R if costs[r] <= low + max(self.request_cost, self.tie_share * low)]
+        near = [r for r in R if costs[r] <= low + self.request_cost]
         top = max(matched[r] for r in near)
+        longer = [r for r in R if matched[r] > top + self.request_cost and self.tie_share
+                  and costs[r] <= low + max(self.request_cost, self.tie_share * low)]
+        if longer:
+            near, top = longer, max(matched[r] for r in longer)
         near = [r for r in near if matched[r] >= top - self.request_cost]
         tied = sorted(r for r in near if loads[r] == min(loads[q] for q in near))
         chosen = tied[0]
