@@ -127,22 +127,33 @@ def _fail_if_called(*args: object) -> None:
 
 
 @pytest.mark.parametrize(("fp32_ms", "bf16_ms", "expected"),
-                         [(20.0, 10.0, torch.bfloat16), (11.0, 10.0, torch.float32),
-                          (10.0, 20.0, torch.float32)])
+                         [((20.0,), (10.0,), torch.bfloat16), ((11.0,), (10.0,), torch.float32),
+                          ((10.0,), (20.0,), torch.float32),
+                          # as fast at one row, twice at a batch and a prefill: bf16
+                          ((10.0, 20.0, 20.0), (10.0, 10.0, 10.0), torch.bfloat16),
+                          # faster at one row count only, by half: not enough over the three
+                          ((10.0, 10.0, 15.0), (10.0, 10.0, 10.0), torch.float32)])
 def test_dtype_auto_picks_bf16_only_when_clearly_faster(
-        monkeypatch: pytest.MonkeyPatch, fp32_ms: float, bf16_ms: float,
+        monkeypatch: pytest.MonkeyPatch, fp32_ms: tuple[float, ...], bf16_ms: tuple[float, ...],
         expected: torch.dtype) -> None:
-    """bf16 must be `BF16_MIN_SPEEDUP` faster: a few percent either way is the machine's noise.
-    (Sleeps of 10 ms and more: a sleep of 1 ms overran by half a millisecond on a busy machine,
-    which made 1.1 against 1.0 ms look 1.3x.)"""
+    """bf16 must be `BF16_MIN_SPEEDUP` faster over one row, a batch's and a prefill's rows (the
+    geometric mean): a few percent either way is the machine's noise, and one row alone is not
+    the work. Times are per row count (one value: every row count). (Sleeps of 10 ms and more:
+    a sleep of 1 ms overran by half a millisecond on a busy machine, which made 1.1 against 1.0
+    ms look 1.3x.)"""
     if not packing_supported(torch.device("cpu"), torch.float32):
         pytest.skip("this torch build has no oneDNN linear ops")
     monkeypatch.setattr(packed_module, "native_bf16", lambda: True)
     monkeypatch.setattr(packed_module, "pack_weight", lambda weight, rows: weight)
-    delay = {torch.float32: fp32_ms / 1e3, torch.bfloat16: bf16_ms / 1e3}
-    monkeypatch.setattr(packed_module, "linear",
-                        lambda x, weight, packed: time.sleep(delay[packed.dtype]))
-    assert pick_cpu_dtype(576, 1536, repeats=3) == expected
+    delay = {torch.float32: fp32_ms, torch.bfloat16: bf16_ms}
+    rows = (1, 16, 256)
+
+    def timed(x: torch.Tensor, weight: None, packed: torch.Tensor) -> None:
+        times = delay[packed.dtype]
+        time.sleep(times[rows.index(x.shape[0])] / 1e3 if len(times) > 1 else times[0] / 1e3)
+
+    monkeypatch.setattr(packed_module, "linear", timed)
+    assert pick_cpu_dtype(576, 1536, rows=rows, repeats=3) == expected
 
 
 def test_runner_with_dtype_auto_runs_the_dtype_it_picked(

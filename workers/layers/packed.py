@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import statistics
 import time
 from typing import TYPE_CHECKING
 
@@ -136,19 +137,25 @@ def weight_bytes(model: nn.Module) -> int:
     return total
 
 
-# bf16 must beat fp32 by this much on the model's linear to be picked, and the linear must hold
-# at least this many weights: below it a call is overhead (about 15 us for either dtype on a
-# [256 x 64] linear), the two time the same and a measured pick would be a coin toss that
-# could differ between two processes on one machine
+# bf16 must beat fp32 by this much on the model's linear to be picked (the geometric mean of
+# the speed-ups at `PICK_ROWS`), and the linear must hold at least this many weights: below it a
+# call is overhead (about 15 us for either dtype on a [256 x 64] linear), the two time the same
+# and a measured pick would be a coin toss that could differ between two processes on one machine
 BF16_MIN_SPEEDUP = 1.2
 MIN_MEASURED_WEIGHTS = 1 << 18
+# the rows timed: a lone stream's decode, a batch's decode, a prefill chunk. One row alone made
+# the pick a coin toss on a CPU with AMX (an Intel Xeon, family 6 model 207, two threads, a
+# [3072 x 576] linear: bf16 1.19-1.40x faster at one row between processes, 1.7x at 4 rows and
+# 2.4x at 16), and a lone row is not what most of the work multiplies
+PICK_ROWS = (1, 16, 256)
 
 
-def pick_cpu_dtype(in_features: int, out_features: int, rows: int = 1,
+def pick_cpu_dtype(in_features: int, out_features: int, rows: tuple[int, ...] = PICK_ROWS,
                    repeats: int = 20) -> torch.dtype:
     """`--dtype auto` on CPU: packed bf16 where it beats packed fp32 by `BF16_MIN_SPEEDUP` on
-    one linear of the model's shape (`rows` input rows), measured here; fp32 where bf16 is not
-    native, or where the linear is too small to tell (`MIN_MEASURED_WEIGHTS`)."""
+    one linear of the model's shape (the geometric mean over `rows` input rows), measured here;
+    fp32 where bf16 is not native, or where the linear is too small to tell
+    (`MIN_MEASURED_WEIGHTS`)."""
     if not packing_supported(torch.device("cpu"), torch.float32):
         return torch.float32
     if not native_bf16():
@@ -160,25 +167,34 @@ def pick_cpu_dtype(in_features: int, out_features: int, rows: int = 1,
         return torch.float32
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(out_features, in_features, generator=gen)
-    x = torch.randn(rows, in_features, generator=gen)
-    seconds = {}
-    for dtype in (torch.float32, torch.bfloat16):
-        packed, xd = pack_weight(weight.to(dtype), rows), x.to(dtype)
-        linear(xd, None, packed)  # warm-up: oneDNN builds its primitive on the first call
-        best = float("inf")
-        for _ in range(3):  # best of three: the machine may be busy
-            start = time.perf_counter()
-            for _ in range(repeats):
-                linear(xd, None, packed)
-            best = min(best, time.perf_counter() - start)
-        seconds[dtype] = best
-    faster = seconds[torch.float32] >= BF16_MIN_SPEEDUP * seconds[torch.bfloat16]
-    choice = torch.bfloat16 if faster else torch.float32
-    logger.info("dtype auto: %s (a [%d x %d] linear: fp32 %.3f ms, bf16 %.3f ms; bf16 is "
-                "picked from %.1fx faster)", str(choice).removeprefix("torch."), out_features,
-                in_features, seconds[torch.float32] / repeats * 1e3,
-                seconds[torch.bfloat16] / repeats * 1e3, BF16_MIN_SPEEDUP)
+    speedups = []
+    for n in rows:
+        x = torch.randn(n, in_features, generator=gen)
+        # a prefill-sized product takes milliseconds: fewer calls time it as well
+        calls = repeats if n <= 16 else max(3, repeats // 8)
+        ms = {dtype: _best_ms(x.to(dtype), pack_weight(weight.to(dtype), n), calls)
+              for dtype in (torch.float32, torch.bfloat16)}
+        speedups.append(ms[torch.float32] / ms[torch.bfloat16])
+        logger.info("dtype auto: a [%d x %d] linear at %d rows: fp32 %.3f ms, bf16 %.3f ms",
+                    out_features, in_features, n, ms[torch.float32], ms[torch.bfloat16])
+    speedup = statistics.geometric_mean(speedups)
+    choice = torch.bfloat16 if speedup >= BF16_MIN_SPEEDUP else torch.float32
+    logger.info("dtype auto: %s (bf16 %.2fx as fast as fp32 over %s rows; picked from %.1fx)",
+                str(choice).removeprefix("torch."), speedup, "/".join(map(str, rows)),
+                BF16_MIN_SPEEDUP)
     return choice
+
+
+def _best_ms(x: torch.Tensor, packed: torch.Tensor, calls: int) -> float:
+    """Milliseconds a call, the best of three runs of `calls` (the machine may be busy)."""
+    linear(x, None, packed)  # warm-up: oneDNN builds its primitive on the first call
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        for _ in range(calls):
+            linear(x, None, packed)
+        best = min(best, time.perf_counter() - start)
+    return best / calls * 1e3
 
 
 def rank_dtype(config: WorkerConfig, mc: ModelConfig, group: TPGroup) -> torch.dtype:
