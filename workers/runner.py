@@ -34,6 +34,7 @@ from .layers.packed import (
     native_bf16,
     pack_linear_layers,
     packing_supported,
+    plain_linear_weights,
     rank_dtype,
     weight_bytes,
 )
@@ -96,7 +97,8 @@ class ModelRunner:
                     if dtype in PACKED_HEAD_DTYPES:
                         pack_linear_layers(self.model, config.max_running_requests,
                                            ParallelLMHead)
-                    small_gemm.warm_up()  # their products of a few rows (small_gemm.py)
+                    if small_gemm.warm_up():  # their products of a few rows (small_gemm.py)
+                        small_gemm.tune(plain_linear_weights(self.model), dtype)
             else:
                 logger.warning("linear layers run unpacked in %s: oneDNN packing covers float32, "
                                "and bfloat16 where the CPU has native bf16 (avx512_bf16 or amx; "

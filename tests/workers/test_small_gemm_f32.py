@@ -25,6 +25,13 @@ def built() -> None:
     assert small_gemm.computes(torch.float32)
 
 
+@pytest.fixture(autouse=True)
+def untuned(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel at its full rows, whatever an engine built earlier in this process measured
+    (`small_gemm.tune`)."""
+    monkeypatch.setattr(small_gemm, "_limits", {})
+
+
 def _case(rows: int, out_features: int, in_features: int, seed: int
           ) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
@@ -87,3 +94,49 @@ def test_linear_takes_it_for_a_few_float32_rows_only() -> None:
         linear(x, w, None)
     calls = [e.name for e in prof.events() if e.name == "raydix::small_gemm"]
     assert len(calls) == 1
+
+
+@pytest.mark.parametrize(("kernel_ms", "expected"),
+                         [((1.0, 1.0, 9.0), 8),  # wins at 2 and 8 rows, loses at 32
+                          ((3.0, 1.0, 1.0), 0),  # loses at the fewest: never
+                          ((1.0, 1.0, 1.0), MAX_ROWS)])  # wins at every count: its full rows
+def test_tune_keeps_the_kernel_up_to_the_rows_it_won(
+        monkeypatch: pytest.MonkeyPatch, kernel_ms: tuple[float, ...], expected: int) -> None:
+    """`tune` times the kernel against the library's product on the model's weights and keeps it
+    only up to the rows where it was faster; past them (or everywhere, at 0) the operator and
+    `linear` take the library's product. The library takes 2 ms a pass here."""
+    rows = small_gemm.TUNE_ROWS
+
+    def timed(weights: list[torch.Tensor], n: int, kernel: bool) -> float:
+        return (kernel_ms[rows.index(n)] if kernel else 2.0) / 1e3
+
+    monkeypatch.setattr(small_gemm, "_pass_seconds", timed)
+    _, w = _case(1, 24, 32, 0)
+    assert small_gemm.tune([w, w.bfloat16()], torch.float32) == expected
+    assert small_gemm.max_rows(torch.float32) == expected
+
+    calls: list[int] = []
+    kernel = small_gemm._kernel_product
+
+    def counted(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        calls.append(x.shape[0])
+        return kernel(x, weight)
+
+    monkeypatch.setattr(small_gemm, "_kernel_product", counted)
+    for n in (1, 2, 8, 9, 32, MAX_ROWS):
+        x, _ = _case(n, 24, 32, n)
+        _check(small_gemm.small_gemm(x, w), x, w)
+        _check(linear(x, w, None), x, w)
+    assert sorted(set(calls)) == [n for n in (1, 2, 8, 9, 32, MAX_ROWS) if n <= expected]
+
+
+def test_tune_times_the_real_products() -> None:
+    """On real weights `tune` settles on one of the limits it can pick, and the operator keeps
+    computing the product at every row count either way."""
+    _, w = _case(1, 256, 128, 0)
+    limit = small_gemm.tune([w] * 4, torch.float32)
+    assert limit in (0, *small_gemm.TUNE_ROWS[:-1], MAX_ROWS)
+    assert small_gemm.max_rows(torch.float32) == limit
+    for n in (2, 16, MAX_ROWS):
+        x, _ = _case(n, 256, 128, n)
+        _check(small_gemm.small_gemm(x, w), x, w)

@@ -91,7 +91,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor | None, packed: torch.Tensor | 
         return y if bias is None else y + bias
     if small_gemm.serves(x, weight) and (
             torch.compiler.is_compiling()
-            or x.shape[0] <= small_gemm.MAX_ROWS.get(x.dtype, 0)):
+            or x.shape[0] <= small_gemm.max_rows(x.dtype)):
         # a few rows (the batched decode graph's products: it picks by rows at run time)
         y = torch.ops.raydix.small_gemm(x, weight)
         return y if bias is None else y + bias
@@ -125,6 +125,12 @@ def pack_linear_layers(model: nn.Module, batch_hint: int,
             num_packed += 1
     logger.debug("packed %d linear weights for oneDNN (batch hint %d)", num_packed, batch_hint)
     return num_packed
+
+
+def plain_linear_weights(model: nn.Module) -> list[torch.Tensor]:
+    """The plain weights of `model`'s packable linear layers (those not packed)."""
+    return [m.weight for m in model.modules()
+            if hasattr(m, "packed_weight") and isinstance(m.weight, torch.Tensor)]
 
 
 def weight_bytes(model: nn.Module) -> int:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import time
 from pathlib import Path
 
 import torch
@@ -35,8 +36,12 @@ SOURCE = Path(__file__).with_name("small_gemm.c")
 # oneDNN on the plain weight, at 128 rows as fast)
 MAX_ROWS = {torch.bfloat16: 32, torch.float32: 64}
 
+# the rows `tune` times the kernel at against the library's product, up to MAX_ROWS
+TUNE_ROWS = (2, 8, 32)
+
 _library: ctypes.CDLL | None = None
 _DTYPES: frozenset[torch.dtype] = frozenset()  # what the built kernel computes on this CPU
+_limits: dict[torch.dtype, int] = {}  # the kernel's rows as `tune` measured them on this CPU
 
 
 def warm_up() -> bool:
@@ -61,6 +66,57 @@ def warm_up() -> bool:
     return True
 
 
+def max_rows(dtype: torch.dtype) -> int:
+    """The most rows the kernel takes in `dtype`: `MAX_ROWS`, or what `tune` measured."""
+    return _limits.get(dtype, MAX_ROWS.get(dtype, 0))
+
+
+def tune(weights: list[torch.Tensor], dtype: torch.dtype) -> int:
+    """Time the kernel against the library's product on the model's own weights (one pass over
+    them all, as a decode step reads them: from memory, not from cache) at `TUNE_ROWS` rows, and
+    keep the kernel up to the most rows at which it and every smaller count timed won; 0 where
+    it lost at the fewest. The kernel was written on AMD CPUs; on an Intel Xeon with AMX
+    (family 6 model 207, two threads, SmolLM2-135M's 30 layers) it took 1.3-2.8x the time of
+    `torch.mm` in bf16 and 1-2x in float32 at every row count from 1 to 64
+    (`benchmarks/small_gemm_bench.py`). Returns the limit, logged."""
+    if not computes(dtype):
+        return 0
+    weights = [w for w in weights if w.dtype == dtype and w.dim() == 2 and w.is_contiguous()]
+    if not weights:
+        return max_rows(dtype)
+    limit, timed = 0, []
+    rows = [n for n in TUNE_ROWS if n <= MAX_ROWS[dtype]]
+    for n in rows:
+        kernel_s = _pass_seconds(weights, n, kernel=True)
+        library_s = _pass_seconds(weights, n, kernel=False)
+        timed.append(f"{n} rows {kernel_s * 1e3:.1f} against {library_s * 1e3:.1f} ms")
+        if kernel_s > library_s:
+            break
+        limit = n
+    if limit == rows[-1]:
+        limit = MAX_ROWS[dtype]  # won at every count timed: up to the measured ceiling
+    _limits[dtype] = limit
+    logger.info("small-GEMM kernel in %s: up to %d rows (a pass over %d weights, kernel against "
+                "the GEMM library: %s)", str(dtype).removeprefix("torch."), limit, len(weights),
+                "; ".join(timed))
+    return limit
+
+
+def _pass_seconds(weights: list[torch.Tensor], rows: int, kernel: bool) -> float:
+    """Seconds of one product of `rows` rows with each weight in turn, the best of two passes
+    after one untimed (the first call builds the library's primitives)."""
+    xs = {w.shape[1]: torch.randn(rows, w.shape[1]).to(w.dtype) for w in weights}
+    best = float("inf")
+    for attempt in range(3):
+        start = time.perf_counter()
+        for w in weights:
+            x = xs[w.shape[1]]
+            _kernel_product(x, w) if kernel else _library_product(x, w)
+        if attempt:
+            best = min(best, time.perf_counter() - start)
+    return best
+
+
 def computes(dtype: torch.dtype) -> bool:
     """The kernel is built and computes `dtype` on this CPU."""
     return _library is not None and dtype in _DTYPES
@@ -79,10 +135,16 @@ def serves(x: torch.Tensor, weight: torch.Tensor) -> bool:
 @torch.library.custom_op("raydix::small_gemm", mutates_args=())
 def small_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """`x @ weight.T`: the kernel up to `MAX_ROWS` rows where it `serves` them, the GEMM
-    library's product otherwise."""
-    rows, out_features = x.shape[0], weight.shape[0]
-    if _library is None or rows == 0 or rows > MAX_ROWS.get(x.dtype, 0) or not serves(x, weight):
+    library's product otherwise (`max_rows`: `MAX_ROWS`, or as `tune` measured)."""
+    rows = x.shape[0]
+    if _library is None or rows == 0 or rows > max_rows(x.dtype) or not serves(x, weight):
         return _library_product(x, weight)
+    return _kernel_product(x, weight)
+
+
+def _kernel_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    assert _library is not None
+    rows, out_features = x.shape[0], weight.shape[0]
     x = x.contiguous()
     y = torch.empty(rows, out_features, dtype=x.dtype)
     kernel = _library.small_gemm_bf16 if x.dtype == torch.bfloat16 else _library.small_gemm_f32
