@@ -20,10 +20,11 @@ from .attention import (
     paged_decode,
 )
 from .config import ModelConfig, WorkerConfig
-from .cpu_decode_graph import BATCHED_DTYPES, PACKED_HEAD_DTYPES, CpuDecodeGraph, wanted
+from .cpu_decode_graph import BATCHED_DTYPES, CpuDecodeGraph, wanted
 from .device import resolve_device
 from .double_sparse import make_double_sparse
 from .grammar import GrammarCompiler, GrammarTable
+from .graph_head import head_packed
 from .host_kv_pool import check_copies, make_host_pool
 from .host_memory import keep_freed_memory
 from .kv_pool import KVPool, KVPoolConfig, MLAKVPool
@@ -94,7 +95,7 @@ class ModelRunner:
                 if not use_graph:
                     pack_linear_layers(self.model, config.max_running_requests)  # the only copy
                 else:  # the graph reads the layers' weights plain
-                    if dtype in PACKED_HEAD_DTYPES:
+                    if head_packed(self.model, dtype):
                         pack_linear_layers(self.model, config.max_running_requests,
                                            ParallelLMHead)
                     if small_gemm.warm_up():  # their products of a few rows (small_gemm.py)

@@ -1,0 +1,82 @@
+"""Whether the CPU decode graph's float32 LM head is packed for oneDNN, timed at start.
+
+The graph (cpu_decode_graph.py) computes a one-row product as multiply-and-sum on the plain
+weight, which inductor turns into one parallel loop that reads each weight row once. In bf16
+its LM head is packed always (`PACKED_HEAD_DTYPES`). In float32 which of the two is faster
+depends on the CPU: on an AMD EPYC the packed head lost one stream (0.86-0.95x); on an Intel
+Xeon with AMX (family 6 model 207, two threads, SmolLM2-135M's 113 MB head) oneDNN's one-row
+product took 5.8-6.5 ms against 7.2-7.6 for the compiled multiply-and-sum, and decode steps of
+one stream 41-47 ms against 51-52 with the head plain (three alternated runs of 200 steps each).
+So the runner times both on the model's own head weight and packs it where oneDNN is clearly
+faster.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from .cpu_decode_graph import PACKED_HEAD_DTYPES
+from .layers.embedding import ParallelLMHead
+from .layers.packed import MIN_MEASURED_WEIGHTS, linear, pack_weight
+
+logger = logging.getLogger(__name__)
+
+# the packed product must take at most this share of the multiply-and-sum's time: the two are
+# within noise of each other on some CPUs, and a pick that flips between restarts is worse
+# than either
+PACKED_HEAD_MAX_SHARE = 0.9
+
+
+def head_packed(model: nn.Module, dtype: torch.dtype) -> bool:
+    """Whether a runner with the CPU decode graph packs `model`'s LM head: always in the
+    `PACKED_HEAD_DTYPES`, in float32 where `packed_head_pays` on this CPU."""
+    if dtype in PACKED_HEAD_DTYPES:
+        return True
+    heads = [m.weight for m in model.modules()
+             if isinstance(m, ParallelLMHead) and isinstance(m.weight, torch.Tensor)]
+    return len(heads) == 1 and packed_head_pays(heads[0])
+
+
+def _multiply_and_sum(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return (x[:, None, :] * weight[None]).sum(-1)
+
+
+def packed_head_pays(weight: torch.Tensor, rounds: int = 5, calls: int = 3) -> bool:
+    """Time oneDNN's one-row product on `weight` packed against the graph's compiled
+    multiply-and-sum on it plain (alternating, best of `rounds` runs of `calls`); True where
+    packed takes at most `PACKED_HEAD_MAX_SHARE` of the time. A weight too small to tell
+    (`MIN_MEASURED_WEIGHTS`) stays plain without timing. Logged."""
+    if weight.dtype != torch.float32 or weight.numel() < MIN_MEASURED_WEIGHTS:
+        return False
+    best = _time_both(weight, rounds, calls)
+    pays = best["packed"] <= PACKED_HEAD_MAX_SHARE * best["plain"]
+    logger.info("CPU decode graph: float32 LM head %s (one row: oneDNN packed %.2f ms, "
+                "multiply-and-sum %.2f ms; packed from %.0f%% of the time)",
+                "packed" if pays else "plain", best["packed"] * 1e3, best["plain"] * 1e3,
+                PACKED_HEAD_MAX_SHARE * 100)
+    return pays
+
+
+def _time_both(weight: torch.Tensor, rounds: int, calls: int) -> dict[str, float]:
+    """Seconds a one-row product takes, "packed" and "plain" (the best of `rounds`)."""
+    mulsum: Any = torch.compile(_multiply_and_sum, dynamic=False, fullgraph=True)
+    x = torch.randn(1, weight.shape[1], generator=torch.Generator().manual_seed(0))
+    packed = pack_weight(weight, 1)
+    runs: dict[str, Callable[[], object]] = {
+        "packed": lambda: linear(x, None, packed), "plain": lambda: mulsum(x, weight)}
+    best = {name: float("inf") for name in runs}
+    for run in runs.values():
+        run()  # compiles / builds oneDNN's primitive
+    for _ in range(rounds):
+        for name, run in runs.items():
+            start = time.perf_counter()
+            for _ in range(calls):
+                run()
+            best[name] = min(best[name], (time.perf_counter() - start) / calls)
+    return best
