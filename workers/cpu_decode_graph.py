@@ -21,7 +21,8 @@ product is about twice as fast as the one on the plain weight, and at one row ab
 the multiply-and-sum. SmolLM2-135M, bf16, two threads, decode steps against the all-plain graph
 in the same minutes (two runs): one request 16.4-16.8 ms against 17.4-17.6, four 30.2-32.4
 against 32.3-36.3, sixteen 46.6-49.0 against 50.4-58.1. In fp32 the packed head lost one stream
-(`engine_bench.py --against`: 0.86-0.95x), and the head stays plain.
+on an AMD EPYC (`engine_bench.py --against`: 0.86-0.95x) and won on an Intel Xeon, so there the
+runner times both at start (`graph_head.py`).
 
 Models served: the Llama family (Llama, Qwen2/3, Mistral, Gemma, Phi-3) at tp 1 whose layers
 are all plain (no sliding window, no logit soft cap, the default softmax scale); others run
@@ -170,7 +171,8 @@ WARM_UP_BATCH = 3
 # dtypes whose larger decode steps run the batched graph (see the module's docstring)
 BATCHED_DTYPES = (torch.bfloat16, torch.float32)
 
-# dtypes whose LM head is packed for oneDNN beside the plain decoder layers (the docstring)
+# dtypes whose LM head is packed for oneDNN beside the plain decoder layers (the docstring);
+# float32's is where `graph_head.packed_head_pays`
 PACKED_HEAD_DTYPES = (torch.bfloat16,)
 
 # Requests that share a long prefix decode faster eagerly: the eager backend's cascade reads the
