@@ -4,14 +4,16 @@ graphs of cuda_graph.py); steps of more requests run a batched graph where the d
 
 A lone stream's decode step runs each linear layer on one input row. oneDNN and MKL compute
 that product as a matrix product, at about half of this machine's memory bandwidth, and the ~50
-small operators per layer cost host time each. Here the whole forward of one token (embedding,
-every decoder layer, the final norm and the LM head) is traced once by torch's own compiler
-(inductor): each linear layer becomes a product written as multiply-and-sum
-(`layers/packed.py`: `linear` while compiling), which inductor turns into one parallel,
-vectorised loop over the weight rows that reads each weight once; the norms, rotary embedding,
-activation and residual adds fuse into a few loops; attention reads the request's K/V from the
-pool's pages (`paged_decode_reference`, traced and fused into the graph), and the new token's
-K/V is written through the `raydix::store_kv` operator, in place.
+small operators per layer cost host time each. Here the forward of one token is traced by
+torch's own compiler (inductor) in a few graphs: runs of `LAYERS_PER_GRAPH` decoder layers
+(one graph serves every run of a size) and the final norm with the LM head. Each linear layer
+becomes a product written as multiply-and-sum (`layers/packed.py`: `linear` while compiling),
+which inductor turns into one parallel, vectorised loop over the weight rows that reads each
+weight once; the norms, rotary embedding, activation and residual adds fuse into a few loops;
+attention reads the request's K/V from the pool's pages (`paged_decode_reference`, traced and
+fused into the graph), and the new token's K/V is written into the pool in place by the same
+compiled code (`index_copy_` traced; through the Python operator `raydix::store_kv` it cost a
+call of 20-40 us a layer).
 
 The graph reads the decoder layers' weights in their plain `[out, in]` layout, so a runner that
 uses it keeps them plain (one copy) rather than oneDNN-packed. In bf16 the LM head is the
@@ -55,7 +57,7 @@ from .attention.base import ForwardBatch
 from .attention.cascade import find_groups
 from .attention.paged_decode import attend, paged_decode_reference
 from .kv_pool import KVPool
-from .layers.custom_ops import CUSTOM_OPS
+from .layers.fused import TORCH_OPS
 from .layers.rotary import RotaryEmbedding
 from .models.llama import LlamaForCausalLM
 
@@ -99,7 +101,7 @@ class _BatchAttention:
 
     def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor,
                 v: torch.Tensor) -> torch.Tensor:
-        CUSTOM_OPS.store_kv(self.k_buf, self.v_buf, self.out_loc, k, v, self.page_size)
+        TORCH_OPS.store_kv(self.k_buf, self.v_buf, self.out_loc, k, v, self.page_size)
         batch, num_q_heads, head_dim = q.shape
         num_kv_heads = self.k_buf.shape[1]
         qg = q.view(batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
@@ -119,7 +121,7 @@ class _OneRequestAttention:
 
     def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor,
                 v: torch.Tensor) -> torch.Tensor:
-        CUSTOM_OPS.store_kv(self.k_buf, self.v_buf, self.out_loc, k, v, self.page_size)
+        TORCH_OPS.store_kv(self.k_buf, self.v_buf, self.out_loc, k, v, self.page_size)
         num_q_heads, head_dim = q.shape[1], q.shape[2]
         num_kv_heads = self.k_buf.shape[1]
         qg = q.view(1, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
@@ -139,6 +141,17 @@ def _layer_step(layer: torch.nn.Module, positions: torch.Tensor, hidden: torch.T
     return out
 
 
+def _layers_step(layers: list[torch.nn.Module], positions: torch.Tensor, hidden: torch.Tensor,
+                 residual: torch.Tensor, ropes: list[RotaryEmbedding], k_bufs: list[torch.Tensor],
+                 v_bufs: list[torch.Tensor], out_loc: torch.Tensor, slots: torch.Tensor,
+                 page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A run of consecutive decoder layers for one request (`layer_groups`)."""
+    for layer, rope, k_buf, v_buf in zip(layers, ropes, k_bufs, v_bufs, strict=True):
+        hidden, residual = _layer_step(layer, positions, hidden, residual, rope, k_buf, v_buf,
+                                       out_loc, slots, page_size)
+    return hidden, residual
+
+
 def _batch_layer_step(layer: torch.nn.Module, positions: torch.Tensor, hidden: torch.Tensor,
                       residual: torch.Tensor | None, rope: RotaryEmbedding, k_buf: torch.Tensor,
                       v_buf: torch.Tensor, out_loc: torch.Tensor, slots: torch.Tensor,
@@ -153,9 +166,19 @@ def _head_step(model: LlamaForCausalLM, hidden: torch.Tensor,
     return model.compute_logits(model.model.norm(hidden, residual)[0])
 
 
-# layers with and without an incoming residual (the first has none), the head, and room for a
-# second model in one process (the tests)
+# layers with and without an incoming residual (the batched graph's first has none), the
+# one-request graph's two group sizes, the heads, and room for a second model in one process
+# (the tests)
 RECOMPILE_LIMIT = 16
+
+# A lone request's decoder layers run this many to a call of the compiled graph (`layer_groups`):
+# each call costs host time (dynamo's cache lookup, inductor's Python wrapper), about 0.2-0.3 ms
+# on two cores, against a layer's 1 ms of kernels (SmolLM2-135M, float32). In one process,
+# alternating, five runs of 30 steps each (ms a step): a layer a call 32.7-49.3 (median 40.1),
+# 5 a call 30.1-42.1 (32.7), 10 a call 30.1-38.6 (31.3), 15 30.0-38.6 (31.1), all 30 30.5-43.1
+# (33.9). The compile grows with the group (a cold start 34.7 s with a layer a call, 48.8 with
+# 10, 82.8 with 30; from inductor's cache 8.7, 8.8 and 15.7 s: dynamo traces every start).
+LAYERS_PER_GRAPH = 10
 
 # Decode steps of up to this many requests run the one-request graph; larger ones the batched
 # graph (where the dtype has one, `BATCHED_DTYPES`), else eagerly. Two requests ran the
@@ -184,6 +207,19 @@ PACKED_HEAD_DTYPES = (torch.bfloat16,)
 CASCADE_KEYS_SAVED = 65_536
 
 
+def layer_groups(num_layers: int, per_graph: int) -> list[range]:
+    """The layers split into runs of at most `per_graph`, as even as can be: two sizes at most,
+    so the one-request graph compiles at most twice (30 layers by 10: three runs of 10)."""
+    count = -(-num_layers // per_graph)
+    size, longer = divmod(num_layers, count)
+    groups, start = [], 0
+    for i in range(count):
+        stop = start + size + (i < longer)
+        groups.append(range(start, stop))
+        start = stop
+    return groups
+
+
 def _as_warmed_up(batch: ForwardBatch) -> bool:
     """The step's input tensors are of the kind the warm-up's were (as the runner makes them):
     int64, one dimension, contiguous, at the start of their storage, inference tensors."""
@@ -202,11 +238,11 @@ def _global_state() -> tuple[object, ...]:
 
 
 class CpuDecodeGraph:
-    """Runs decode steps through the compiled layers: one graph serves every decoder layer
-    (torch.compile inlines the module, so its weights are inputs and the layers share the
-    compiled code; a graph of the whole model compiles 30 copies, about 95 s on 2 cores against
-    about 15), one more the final norm and the LM head. A lone request's step runs the
-    one-request graphs; with `batched`, larger steps run the batched ones."""
+    """Runs decode steps through the compiled layers: torch.compile inlines the modules, so
+    their weights are inputs and layers of the same shape share the compiled code. A lone
+    request's step runs its decoder layers in runs of up to `LAYERS_PER_GRAPH` (one graph a run
+    size, at most two sizes), then the final norm and the LM head; with `batched`, larger steps
+    run the batched graph, one layer a call."""
 
     def __init__(self, model: LlamaForCausalLM, pool: KVPool, req_to_token: torch.Tensor,
                  batched: bool = False) -> None:
@@ -215,7 +251,12 @@ class CpuDecodeGraph:
         self.req_to_token = req_to_token
         dynamo_config = torch._dynamo.config
         dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, RECOMPILE_LIMIT)
-        self._layer: Any = torch.compile(_layer_step, dynamic=False, fullgraph=True)
+        self._layers: Any = torch.compile(_layers_step, dynamic=False, fullgraph=True)
+        # the one-request graph's runs of layers, as the lists each call passes
+        layers, ropes = list(model.model.layers), list(model.ropes)
+        self._groups = [(layers[g.start:g.stop], ropes[g.start:g.stop],
+                         pool.k_buffers[g.start:g.stop], pool.v_buffers[g.start:g.stop])
+                        for g in layer_groups(len(layers), LAYERS_PER_GRAPH)]
         # The pool's buffers' slot dimension is dynamic, so the graphs serve pools of any size
         # (a process may hold several runners, as the tests do) and are compiled once for both
         # the lone and the batched steps' calls (dynamo guards on the marking)
@@ -303,14 +344,14 @@ class CpuDecodeGraph:
              slots: torch.Tensor) -> torch.Tensor:
         # one graph for every number of keys (>= 2: a decode token follows one at least)
         torch._dynamo.maybe_mark_dynamic(slots, 1)
-        model, pool = self.model, self.pool
+        model, page_size = self.model, self.pool.config.page_size
         hidden = model.model.embed(input_ids)
-        residual = None
-        for layer, rope, k_buf, v_buf in zip(model.model.layers, model.ropes, pool.k_buffers,
-                                             pool.v_buffers, strict=True):
-            hidden, residual = self._layer(layer, positions, hidden, residual, rope, k_buf,
-                                           v_buf, out_loc, slots, pool.config.page_size)
-        assert residual is not None
+        # the first layer's residual is zero rather than none, so that its run is the others'
+        # graph: x + 0 is x exactly, and the norm sees the same input
+        residual = torch.zeros_like(hidden)
+        for layers, ropes, k_bufs, v_bufs in self._groups:
+            hidden, residual = self._layers(layers, positions, hidden, residual, ropes, k_bufs,
+                                            v_bufs, out_loc, slots, page_size)
         logits: torch.Tensor = self._head(model, hidden, residual)
         return logits
 

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from raydix.workers import cpu_decode_graph
 from raydix.workers.config import WorkerConfig
@@ -18,8 +19,8 @@ from raydix.workers.layers.packed import packing_supported
 from raydix.workers.runner import ModelRunner
 from raydix.workers.step import ScheduledRequest, StepPlan
 
-from .conftest import TinyModel
-from .reference import assert_greedy_equal
+from .conftest import TINY, TinyModel
+from .reference import HFReference, assert_greedy_equal
 
 MAX_NEW_TOKENS = 12
 
@@ -211,6 +212,53 @@ def test_decode_graph_keeps_one_weight_per_linear_layer(
         want, plain_logits = _generate(all_plain, m.prompts[0], 6)
     assert got == want
     np.testing.assert_allclose(np.stack(graph_logits), np.stack(plain_logits), atol=0.04, rtol=0)
+
+
+def test_layer_groups_split_evenly_in_order() -> None:
+    groups = cpu_decode_graph.layer_groups
+    assert groups(30, 10) == [range(0, 10), range(10, 20), range(20, 30)]
+    assert [len(g) for g in groups(29, 10)] == [10, 10, 9]
+    assert [len(g) for g in groups(22, 10)] == [8, 7, 7]
+    assert groups(2, 10) == [range(0, 2)] and groups(3, 2) == [range(0, 2), range(2, 3)]
+    for n in range(1, 70):
+        for per in (1, 4, 10):
+            runs = groups(n, per)
+            assert [i for g in runs for i in g] == list(range(n))
+            assert max(map(len, runs)) <= per and len({len(g) for g in runs}) <= 2
+
+
+def test_runs_of_two_sizes_decode_as_transformers_does(
+        tiny_models: dict[str, TinyModel], tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three layers two to a call: a run of two, then one, each its own graph, the first with
+    a zero residual; greedy tokens equal transformers', logits the eager forward's, no compile
+    after the warm-up, and the steps that skip the guards run the graphs the guards pick."""
+    torch.manual_seed(99)
+    LlamaForCausalLM(LlamaConfig(**{**TINY, "num_hidden_layers": 3}, num_key_value_heads=2,
+                                 tie_word_embeddings=True)).save_pretrained(tmp_path)
+    m = TinyModel("llama3", tmp_path, HFReference(tmp_path), tiny_models["llama"].prompts)
+    monkeypatch.setattr(cpu_decode_graph, "LAYERS_PER_GRAPH", 2)
+    runner, eager = _runner(m, graph=True), _runner(m, graph=False)
+    graph = runner.decode_graph
+    assert graph is not None and graph.skip_guards
+    assert [len(layers) for layers, *_ in graph._groups] == [2, 1]
+    calls: list[int] = []
+    real = graph._layers
+    monkeypatch.setattr(graph, "_layers", lambda layers, *args: calls.append(len(layers))
+                        or real(layers, *args))
+    ref = m.hf.greedy(m.prompts, MAX_NEW_TOKENS)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        got, got_logits = zip(*(_generate(runner, p, MAX_NEW_TOKENS) for p in m.prompts),
+                              strict=True)
+    assert calls == [2, 1] * len(m.prompts) * (MAX_NEW_TOKENS - 1)
+    assert_greedy_equal(list(got), ref, m.prompts, m.hf,
+                        lambda seqs: [runner.forward(_probe(runner, s))[0].numpy()
+                                      for s in seqs], "llama decode graph, runs of 2 and 1")
+    for p, logits in zip(m.prompts, got_logits, strict=True):
+        _, eager_logits = _generate(eager, p, MAX_NEW_TOKENS)
+        np.testing.assert_allclose(np.stack(logits), np.stack(eager_logits), atol=1e-4, rtol=0)
+    graph.skip_guards = False
+    _, guarded = _generate(runner, m.prompts[0], MAX_NEW_TOKENS)
+    np.testing.assert_array_equal(np.stack(got_logits[0]), np.stack(guarded))
 
 
 def test_qk_norm_and_bias_models_match_too(tiny_models: dict[str, TinyModel]) -> None:
