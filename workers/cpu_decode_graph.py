@@ -31,8 +31,8 @@ are all plain (no sliding window, no logit soft cap, the default softmax scale);
 eagerly, as `eligible` says.
 
 Decode steps of two or more requests run a second graph (bf16 and fp32, `BATCHED_DTYPES`): the
-same layer traced for a batch whose size and key count are dynamic (one compile serves every
-batch), its linear layers the products the eager step calls (the small-GEMM kernel up to 32
+same runs of layers traced for a batch whose size and key count are dynamic (one compile serves
+every batch), its linear layers the products the eager step calls (the small-GEMM kernel up to 32
 rows in bf16 and 16 in fp32 where the CPU computes the dtype, `layers/small_gemm.py`; past that,
 or elsewhere, bf16: inductor's own call; fp32: oneDNN's, as `raydix::onednn_linear`, where
 inductor would call MKL's sgemm, slower on AMD CPUs) and everything between them fused, attention the paged kernel on each
@@ -161,14 +161,25 @@ def _batch_layer_step(layer: torch.nn.Module, positions: torch.Tensor, hidden: t
     return out
 
 
+def _batch_layers_step(layers: list[torch.nn.Module], positions: torch.Tensor,
+                       hidden: torch.Tensor, residual: torch.Tensor, ropes: list[RotaryEmbedding],
+                       k_bufs: list[torch.Tensor], v_bufs: list[torch.Tensor],
+                       out_loc: torch.Tensor, slots: torch.Tensor, lens: torch.Tensor,
+                       page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A run of consecutive decoder layers for a batch (`layer_groups`)."""
+    for layer, rope, k_buf, v_buf in zip(layers, ropes, k_bufs, v_bufs, strict=True):
+        hidden, residual = _batch_layer_step(layer, positions, hidden, residual, rope, k_buf,
+                                             v_buf, out_loc, slots, lens, page_size)
+    return hidden, residual
+
+
 def _head_step(model: LlamaForCausalLM, hidden: torch.Tensor,
                residual: torch.Tensor) -> torch.Tensor:
     return model.compute_logits(model.model.norm(hidden, residual)[0])
 
 
-# layers with and without an incoming residual (the batched graph's first has none), the
-# one-request graph's two group sizes, the heads, and room for a second model in one process
-# (the tests)
+# two run sizes for each of the two layer graphs, the heads, and room for more models in one
+# process (the tests)
 RECOMPILE_LIMIT = 16
 
 # A lone request's decoder layers run this many to a call of the compiled graph (`layer_groups`):
@@ -178,6 +189,9 @@ RECOMPILE_LIMIT = 16
 # 5 a call 30.1-42.1 (32.7), 10 a call 30.1-38.6 (31.3), 15 30.0-38.6 (31.1), all 30 30.5-43.1
 # (33.9). The compile grows with the group (a cold start 34.7 s with a layer a call, 48.8 with
 # 10, 82.8 with 30; from inductor's cache 8.7, 8.8 and 15.7 s: dynamo traces every start).
+# The batched graph runs the same runs: four requests, five runs of 20 steps, a layer a call
+# against 10: float32 63.7-83.9 ms a step (median 68.1) against 59.0-66.4 (61.9), bf16
+# 38.2-55.7 (52.5) against 35.2-48.2 (45.4).
 LAYERS_PER_GRAPH = 10
 
 # Decode steps of up to this many requests run the one-request graph; larger ones the batched
@@ -242,7 +256,7 @@ class CpuDecodeGraph:
     their weights are inputs and layers of the same shape share the compiled code. A lone
     request's step runs its decoder layers in runs of up to `LAYERS_PER_GRAPH` (one graph a run
     size, at most two sizes), then the final norm and the LM head; with `batched`, larger steps
-    run the batched graph, one layer a call."""
+    run the batched graphs over the same runs."""
 
     def __init__(self, model: LlamaForCausalLM, pool: KVPool, req_to_token: torch.Tensor,
                  batched: bool = False) -> None:
@@ -266,8 +280,8 @@ class CpuDecodeGraph:
         self.skip_guards = False  # set by warm_up (see replay)
         self._warm_state: tuple[object, ...] = ()  # `_global_state()` in the warm-up
         # decode steps of more than MAX_REQUESTS: one graph, the batch dynamic; None: eager
-        self._batch_layer: Any = (torch.compile(_batch_layer_step, dynamic=False, fullgraph=True)
-                                  if batched else None)
+        self._batch_layers: Any = (torch.compile(_batch_layers_step, dynamic=False,
+                                                 fullgraph=True) if batched else None)
         self._batch_head: Any = (torch.compile(_head_step, dynamic=False, fullgraph=True)
                                  if batched else None)
 
@@ -282,7 +296,7 @@ class CpuDecodeGraph:
             return False
         if size <= MAX_REQUESTS:
             return True
-        return self._batch_layer is not None and not self._cascade_pays(batch)
+        return self._batch_layers is not None and not self._cascade_pays(batch)
 
     def _cascade_pays(self, batch: ForwardBatch) -> bool:
         """The step's requests share enough prefix keys for the eager cascade to win."""
@@ -327,16 +341,14 @@ class CpuDecodeGraph:
         for tensor, dim in ((input_ids, 0), (positions, 0), (out_loc, 0), (slots, 0),
                             (slots, 1), (lens, 0)):
             torch._dynamo.maybe_mark_dynamic(tensor, dim)
-        model, pool = self.model, self.pool
+        model, page_size = self.model, self.pool.config.page_size
         hidden = model.model.embed(input_ids)
+        residual = torch.zeros_like(hidden)  # as in `_run`
         torch._dynamo.maybe_mark_dynamic(hidden, 0)
-        residual = None
-        for layer, rope, k_buf, v_buf in zip(model.model.layers, model.ropes, pool.k_buffers,
-                                             pool.v_buffers, strict=True):
-            hidden, residual = self._batch_layer(layer, positions, hidden, residual, rope, k_buf,
-                                                 v_buf, out_loc, slots, lens,
-                                                 pool.config.page_size)
-        assert residual is not None
+        torch._dynamo.maybe_mark_dynamic(residual, 0)
+        for layers, ropes, k_bufs, v_bufs in self._groups:
+            hidden, residual = self._batch_layers(layers, positions, hidden, residual, ropes,
+                                                  k_bufs, v_bufs, out_loc, slots, lens, page_size)
         logits: torch.Tensor = self._batch_head(model, hidden, residual)
         return logits
 
@@ -362,7 +374,7 @@ class CpuDecodeGraph:
         tensor was made, and a warm-up with other tensors would leave the first real steps to
         compile again. Reads row 0 of the table and writes only the padding page's slot 0."""
         start = time.perf_counter()
-        sizes = (1, WARM_UP_BATCH) if self._batch_layer is not None else (1,)
+        sizes = (1, WARM_UP_BATCH) if self._batch_layers is not None else (1,)
         for size in sizes:
             zero = np.zeros(size, dtype=np.int64)
             with torch.inference_mode():  # as runner.forward: its tensors are inference tensors

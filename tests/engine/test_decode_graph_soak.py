@@ -40,7 +40,7 @@ def test_a_mixed_load_compiles_nothing_after_the_warm_up(
         max_prefill_tokens=48, init_new_token_ratio=0.0, min_new_token_ratio=0.0)))
     engine.step_hook = lambda sched: sched.cache.check_integrity()
     graph = engine.executor.worker.runner.decode_graph  # type: ignore[attr-defined]
-    assert graph is not None and graph.skip_guards and graph._batch_layer is not None
+    assert graph is not None and graph.skip_guards and graph._batch_layers is not None
     paths: list[str] = []
     one, batch = graph._replay_one, graph._replay_batch
     monkeypatch.setattr(graph, "_replay_one", lambda *a: paths.append("one") or one(*a))

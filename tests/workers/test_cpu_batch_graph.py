@@ -57,7 +57,7 @@ def test_batches_run_one_graph_and_agree_with_the_eager_step(
     m = tiny_models["llama"]
     graph_runner, eager = _runner(m, True, dtype), _runner(m, False, dtype)
     graph = graph_runner.decode_graph
-    assert graph is not None and graph._batch_layer is not None
+    assert graph is not None and graph._batch_layers is not None
     batched: list[int] = []
     real = graph._replay_batch
     monkeypatch.setattr(graph, "_replay_batch", lambda batch: batched.append(batch.batch_size)

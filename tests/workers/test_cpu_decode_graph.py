@@ -157,11 +157,11 @@ def test_a_lone_decode_after_a_paged_batch_does_not_compile_again(
                         lambda *args: paged_calls.append(1) or real_kernel(*args))
     prompts = [(p * 40)[:70 + i] for i, p in enumerate(m.prompts[:2] * 2)]  # >= 64 keys each
     graph = runner.decode_graph
-    batch_layer = graph._batch_layer
-    monkeypatch.setattr(graph, "_batch_layer", None)  # decode steps of 3+ requests run eagerly
+    batch_layers = graph._batch_layers
+    monkeypatch.setattr(graph, "_batch_layers", None)  # decode steps of 3+ requests run eagerly
     _generate_together(runner, prompts, 3)
     assert paged_calls  # the batched decode steps ran the paged kernel
-    monkeypatch.setattr(graph, "_batch_layer", batch_layer)
+    monkeypatch.setattr(graph, "_batch_layers", batch_layers)
     paged_calls.clear()
     with torch._dynamo.config.patch(error_on_recompile=True):
         _generate(runner, m.prompts[0], 4)
@@ -230,8 +230,9 @@ def test_layer_groups_split_evenly_in_order() -> None:
 def test_runs_of_two_sizes_decode_as_transformers_does(
         tiny_models: dict[str, TinyModel], tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Three layers two to a call: a run of two, then one, each its own graph, the first with
-    a zero residual; greedy tokens equal transformers', logits the eager forward's, no compile
-    after the warm-up, and the steps that skip the guards run the graphs the guards pick."""
+    a zero residual; greedy tokens equal transformers' (one request and a batch of three),
+    logits the eager forward's, no compile after the warm-up, and the steps that skip the
+    guards run the graphs the guards pick."""
     torch.manual_seed(99)
     LlamaForCausalLM(LlamaConfig(**{**TINY, "num_hidden_layers": 3}, num_key_value_heads=2,
                                  tie_word_embeddings=True)).save_pretrained(tmp_path)
@@ -256,6 +257,17 @@ def test_runs_of_two_sizes_decode_as_transformers_does(
     for p, logits in zip(m.prompts, got_logits, strict=True):
         _, eager_logits = _generate(eager, p, MAX_NEW_TOKENS)
         np.testing.assert_allclose(np.stack(logits), np.stack(eager_logits), atol=1e-4, rtol=0)
+    # a batch runs the batched graphs over the same runs
+    batch_calls: list[int] = []
+    real_batch = graph._batch_layers
+    monkeypatch.setattr(graph, "_batch_layers", lambda layers, *args: batch_calls.append(
+        len(layers)) or real_batch(layers, *args))
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        together = _generate_together(runner, m.prompts, MAX_NEW_TOKENS)
+    assert batch_calls == [2, 1] * (MAX_NEW_TOKENS - 1)
+    assert_greedy_equal(together, ref, m.prompts, m.hf,
+                        lambda seqs: [runner.forward(_probe(runner, s))[0].numpy()
+                                      for s in seqs], "llama batched graph, runs of 2 and 1")
     graph.skip_guards = False
     _, guarded = _generate(runner, m.prompts[0], MAX_NEW_TOKENS)
     np.testing.assert_array_equal(np.stack(got_logits[0]), np.stack(guarded))
