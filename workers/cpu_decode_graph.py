@@ -182,17 +182,18 @@ def _head_step(model: LlamaForCausalLM, hidden: torch.Tensor,
 # process (the tests)
 RECOMPILE_LIMIT = 16
 
-# A lone request's decoder layers run this many to a call of the compiled graph (`layer_groups`):
-# each call costs host time (dynamo's cache lookup, inductor's Python wrapper), about 0.2-0.3 ms
-# on two cores, against a layer's 1 ms of kernels (SmolLM2-135M, float32). In one process,
-# alternating, five runs of 30 steps each (ms a step): a layer a call 32.7-49.3 (median 40.1),
-# 5 a call 30.1-42.1 (32.7), 10 a call 30.1-38.6 (31.3), 15 30.0-38.6 (31.1), all 30 30.5-43.1
-# (33.9). The compile grows with the group (a cold start 34.7 s with a layer a call, 48.8 with
-# 10, 82.8 with 30; from inductor's cache 8.7, 8.8 and 15.7 s: dynamo traces every start).
-# The batched graph runs the same runs: four requests, five runs of 20 steps, a layer a call
-# against 10: float32 63.7-83.9 ms a step (median 68.1) against 59.0-66.4 (61.9), bf16
-# 38.2-55.7 (52.5) against 35.2-48.2 (45.4).
-LAYERS_PER_GRAPH = 10
+# Decode steps run their decoder layers this many to a call of a compiled graph
+# (`layer_groups`): each call costs host time (dynamo's cache lookup, inductor's Python wrapper),
+# about 0.2-0.3 ms on two cores, against a layer's 1 ms of kernels (SmolLM2-135M, float32, one
+# request). In one process, alternating, five runs of 30 one-request steps each (ms a step): a
+# layer a call 32.7-49.3 (median 40.1), 5 a call 30.1-42.1 (32.7), 10 30.1-38.6 (31.3), 15
+# 30.0-38.6 (31.1), all 30 30.5-43.1 (33.9). Four requests through the batched graph, a layer a
+# call against 10: float32 63.7-83.9 ms a step (median 68.1) against 59.0-66.4 (61.9), bf16
+# 38.2-55.7 (52.5) against 35.2-48.2 (45.4). The compile grows with the run, and dynamo traces
+# it at every start: an engine with both graphs (bf16) was built in 55.5 s on a cold inductor
+# cache and 8.6-9.9 s from it with 5 a call, 63.0 and 13.5 s with 10, 70.7 and 12.7-15.5 with 15
+# (a layer a call, float32: 34.7 and 8.7). 5 keeps most of the gain for about a second a start.
+LAYERS_PER_GRAPH = 5
 
 # Decode steps of up to this many requests run the one-request graph; larger ones the batched
 # graph (where the dtype has one, `BATCHED_DTYPES`), else eagerly. Two requests ran the
@@ -223,7 +224,7 @@ CASCADE_KEYS_SAVED = 65_536
 
 def layer_groups(num_layers: int, per_graph: int) -> list[range]:
     """The layers split into runs of at most `per_graph`, as even as can be: two sizes at most,
-    so the one-request graph compiles at most twice (30 layers by 10: three runs of 10)."""
+    so each layer graph compiles at most twice (30 layers by 5: six runs of 5)."""
     count = -(-num_layers // per_graph)
     size, longer = divmod(num_layers, count)
     groups, start = [], 0

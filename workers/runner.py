@@ -155,9 +155,9 @@ class ModelRunner:
         if use_graph and isinstance(self.kv_pool, KVPool):
             self.decode_graph = CpuDecodeGraph(self.model, self.kv_pool, self.req_to_token,
                                                batched=dtype in BATCHED_DTYPES)
-            logger.info("CPU decode graph: compiling (about 15 s on 2 cores the first time on "
-                        "this machine, 25 s with the batched graph of bf16; later starts load "
-                        "it from inductor's cache)")
+            logger.info("CPU decode graph: compiling (about 45 s on 2 cores the first time on "
+                        "this machine for SmolLM2-135M; later starts load it from inductor's "
+                        "cache in a few seconds)")
             logger.info("CPU decode graph ready in %.1f s", self.decode_graph.warm_up())
         self.warm_up: WarmUpResult | None = None
         if config.warm_up:  # before the graphs: eager kernels compile first, then are captured
