@@ -66,19 +66,28 @@ def test_decode_graph_matches_transformers_and_the_eager_forward(
     real = graph_runner.decode_graph.replay
     monkeypatch.setattr(graph_runner.decode_graph, "replay",
                         lambda batch: replays.append(1) or real(batch))
+    _decode_alone_and_compare(m, graph_runner, eager, "llama decode graph")
+    assert len(replays) == len(m.prompts) * (MAX_NEW_TOKENS - 1)  # every decode step
+
+
+def _decode_alone_and_compare(m: TinyModel, runner: ModelRunner, eager: ModelRunner,
+                              label: str) -> list[list[np.ndarray]]:
+    """Each prompt decoded alone through `runner`'s graph with recompiles forbidden; its greedy
+    tokens must equal transformers' and its decode logits the eager runner's (within 1e-4).
+    Returns each prompt's decode logits."""
     ref = m.hf.greedy(m.prompts, MAX_NEW_TOKENS)
     # the warm-up compiled every graph the steps need: a step that compiles again would stall
     # a request for seconds (it did, when the warm-up made its tensors outside inference mode)
     with torch._dynamo.config.patch(error_on_recompile=True):
-        got, got_logits = zip(*(_generate(graph_runner, p, MAX_NEW_TOKENS) for p in m.prompts),
+        got, got_logits = zip(*(_generate(runner, p, MAX_NEW_TOKENS) for p in m.prompts),
                               strict=True)
-    assert len(replays) == len(m.prompts) * (MAX_NEW_TOKENS - 1)  # every decode step
     assert_greedy_equal(list(got), ref, m.prompts, m.hf,
-                        lambda seqs: [graph_runner.forward(_probe(graph_runner, s))[0].numpy()
-                                      for s in seqs], "llama decode graph")
+                        lambda seqs: [runner.forward(_probe(runner, s))[0].numpy()
+                                      for s in seqs], label)
     for p, logits in zip(m.prompts, got_logits, strict=True):
         _, eager_logits = _generate(eager, p, MAX_NEW_TOKENS)
         np.testing.assert_allclose(np.stack(logits), np.stack(eager_logits), atol=1e-4, rtol=0)
+    return list(got_logits)
 
 
 def _generate_together(runner: ModelRunner, prompts: list[list[int]],
@@ -246,17 +255,9 @@ def test_runs_of_two_sizes_decode_as_transformers_does(
     real = graph._layers
     monkeypatch.setattr(graph, "_layers", lambda layers, *args: calls.append(len(layers))
                         or real(layers, *args))
-    ref = m.hf.greedy(m.prompts, MAX_NEW_TOKENS)
-    with torch._dynamo.config.patch(error_on_recompile=True):
-        got, got_logits = zip(*(_generate(runner, p, MAX_NEW_TOKENS) for p in m.prompts),
-                              strict=True)
+    got_logits = _decode_alone_and_compare(m, runner, eager, "llama graph, runs of 2 and 1")
     assert calls == [2, 1] * len(m.prompts) * (MAX_NEW_TOKENS - 1)
-    assert_greedy_equal(list(got), ref, m.prompts, m.hf,
-                        lambda seqs: [runner.forward(_probe(runner, s))[0].numpy()
-                                      for s in seqs], "llama decode graph, runs of 2 and 1")
-    for p, logits in zip(m.prompts, got_logits, strict=True):
-        _, eager_logits = _generate(eager, p, MAX_NEW_TOKENS)
-        np.testing.assert_allclose(np.stack(logits), np.stack(eager_logits), atol=1e-4, rtol=0)
+    ref = m.hf.greedy(m.prompts, MAX_NEW_TOKENS)
     # a batch runs the batched graphs over the same runs
     batch_calls: list[int] = []
     real_batch = graph._batch_layers
