@@ -267,7 +267,7 @@ class CpuDecodeGraph:
         dynamo_config = torch._dynamo.config
         dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, RECOMPILE_LIMIT)
         self._layers: Any = torch.compile(_layers_step, dynamic=False, fullgraph=True)
-        # the one-request graph's runs of layers, as the lists each call passes
+        # the runs of layers, as the lists each call of either graph passes
         layers, ropes = list(model.model.layers), list(model.ropes)
         self._groups = [(layers[g.start:g.stop], ropes[g.start:g.stop],
                          pool.k_buffers[g.start:g.stop], pool.v_buffers[g.start:g.stop])
