@@ -16,8 +16,9 @@ so the same venv runs both. Workloads (random token ids, the default model, CPU)
 - KV tokens (serve): the same under the config `raydix serve` builds on CPU (its own step
   budget, `deploy/config.py`), which is what a user of `make serve` gets.
 
-A checkout whose workers have the CPU decode graph (`cpu_decode_graph.py`) runs with it, as
-`raydix serve` does on CPU, unless `--no-decode-graph` is given.
+A checkout whose workers have the CPU decode graph (`cpu_decode_graph.py`) runs with it, and
+with the CPU step graph (`cpu_step_graph.py`) where it has that too, as `raydix serve` does on
+CPU, unless `--no-decode-graph` is given (then with neither).
 
 Throughputs and the TTFT are given twice: in wall-clock time, and in the child's own CPU time
 (`time.process_time`). With one torch thread the two agree on an idle machine; on a shared one
@@ -142,8 +143,9 @@ def _child(workload: str, threads: int, dtype: str) -> tuple[float, float]:
 
     torch.set_num_threads(threads)
     folder = default_model_folder()
-    graph = ({"cpu_decode_graph": True} if os.environ.get(DECODE_GRAPH_ENV) == "1"
-             and "cpu_decode_graph" in WorkerConfig.__dataclass_fields__ else {})
+    graph = {field: True for field in ("cpu_decode_graph", "cpu_step_graph")
+             if os.environ.get(DECODE_GRAPH_ENV) == "1"
+             and field in WorkerConfig.__dataclass_fields__}
     if workload in KV_ROWS:
         from raydix.workers.runner import ModelRunner
         config = WorkerConfig(model_path=str(folder), dtype=dtype, **graph)

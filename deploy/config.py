@@ -272,6 +272,11 @@ class AppConfig(BaseModel):
         "instead of through the compiled one-token graph (plain weights; compiled at the first "
         "start on a machine, about 1-2 minutes, then loaded from inductor's cache)"
     )
+    disable_cpu_step_graph: bool = Field(
+        False, description="on CPU: run prompts' layers eagerly instead of through the compiled "
+        "step graph (with the decode graph only; compiled at the first start on a machine, "
+        "about 10 s, then loaded from inductor's cache in about 3 s)"
+    )
     disable_cpu_compiled_attention: bool = Field(
         False, description="on CPU: decode attention always reads dense K/V copies, never the "
         "paged kernel built at start (a C file: under a second, then loaded from "

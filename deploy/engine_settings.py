@@ -102,6 +102,7 @@ def engine_config(config: AppConfig, model_path: str, device: str) -> EngineConf
         hicache_ratio=config.hicache_ratio,
         hicache_size_gb=config.hicache_size,
         cpu_decode_graph=not config.disable_cpu_decode_graph,
+        cpu_step_graph=not config.disable_cpu_step_graph,
         cpu_compiled_attention=not config.disable_cpu_compiled_attention,
     )
     if worker.kv_pool == "double-sparse" and worker.attention_backend != "torch":

@@ -1,5 +1,5 @@
 """An engine factory for apps whose tests start many replica or rank processes: nothing is
-compiled at a rank's start (the compiled CPU decode attention and the CPU decode graph, seconds
+compiled at a rank's start (the compiled CPU decode attention, the CPU decode and step graphs, seconds
 in each process even from inductor's cache). For tests whose checks do not depend on how a
 rank computes a step; tests/workers checks the compiled code, and tests/deploy/test_cli.py
 serves through `raydix serve`'s defaults with it.
@@ -20,7 +20,7 @@ from raydix.engine.engine import Engine
 
 def uncompiled(config: EngineConfig) -> EngineConfig:
     return replace(config, worker=replace(config.worker, cpu_compiled_attention=False,
-                                          cpu_decode_graph=False))
+                                          cpu_decode_graph=False, cpu_step_graph=False))
 
 
 def uncompiled_engine(config: EngineConfig, settings: ReplicaSettings,

@@ -220,6 +220,9 @@ class WorkerConfig:
     # CPU: a lone decode token runs one compiled graph (cpu_decode_graph.py), with the weights
     # kept plain rather than packed; models it does not cover run as without it
     cpu_decode_graph: bool = False
+    # CPU, with the decode graph: the other steps (prompts) run their layers compiled too
+    # (cpu_step_graph.py)
+    cpu_step_graph: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.tp_rank < self.tp_size:

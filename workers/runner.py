@@ -21,6 +21,7 @@ from .attention import (
 )
 from .config import ModelConfig, WorkerConfig
 from .cpu_decode_graph import BATCHED_DTYPES, CpuDecodeGraph, wanted
+from .cpu_step_graph import CpuStepGraph
 from .device import resolve_device
 from .double_sparse import make_double_sparse
 from .grammar import GrammarCompiler, GrammarTable
@@ -159,6 +160,12 @@ class ModelRunner:
                         "this machine for SmolLM2-135M; later starts load it from inductor's "
                         "cache in a few seconds)")
             logger.info("CPU decode graph ready in %.1f s", self.decode_graph.warm_up())
+        self.step_graph: CpuStepGraph | None = None
+        if (self.decode_graph is not None and config.cpu_step_graph
+                and isinstance(self.backend, TorchAttentionBackend)
+                and isinstance(self.kv_pool, KVPool)):
+            self.step_graph = CpuStepGraph(self.model, self.kv_pool, self.backend)
+            logger.info("CPU step graph ready in %.1f s", self.step_graph.warm_up())
         self.warm_up: WarmUpResult | None = None
         if config.warm_up:  # before the graphs: eager kernels compile first, then are captured
             self.warm_up = warm_up(self.model, self.backend, self.req_to_token, self.device)
@@ -283,8 +290,10 @@ class ModelRunner:
         if self.decode_graph is not None and self.decode_graph.can_run(batch):
             return self.decode_graph.replay(batch)
         self.backend.prepare(batch)
-        hidden = self.model(batch.input_ids, batch.positions, self.backend)
         last = self._to_device(batch.token_starts + batch.extend_lens - 1)
+        if self.step_graph is not None and self.step_graph.can_run(batch):
+            return self.model.compute_logits(self.step_graph.forward(batch, last))
+        hidden = self.model(batch.input_ids, batch.positions, self.backend)
         return self.model.compute_logits(hidden[last])
 
     def _make_batch(self, plan: StepPlan) -> ForwardBatch:

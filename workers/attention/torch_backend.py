@@ -143,8 +143,16 @@ class TorchAttentionBackend(AttentionBackend):
         if self._out_cache_loc is None:
             raise RuntimeError("prepare(batch) must run before forward")
         self.pool.set_kv(layer_id, self._out_cache_loc, k, v)
-        k_buf, v_buf = self.pool.k_buffers[layer_id], self.pool.v_buffers[layer_id]
-        attn = self.layers[layer_id]
+        return self.attend(q, self.pool.k_buffers[layer_id], self.pool.v_buffers[layer_id],
+                           self.layers[layer_id])
+
+    def attend(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
+               attn: LayerAttention) -> torch.Tensor:
+        """The step's attention for one layer whose new K/V are in `k_buf`/`v_buf` already
+        (`forward` writes them; the CPU step graph writes them in its compiled code):
+        q [T, Hq, D] -> [T, Hq * D]."""
+        if self._out_cache_loc is None:
+            raise RuntimeError("prepare(batch) must run before attend")
         out = torch.empty_like(q)
         for d in self._decodes:
             padding = d.window_padding[attn.window] if attn.window else d.padding
