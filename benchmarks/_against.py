@@ -127,6 +127,33 @@ def _fmt(values: np.ndarray) -> str:
 # ---- the child: one workload, in-process -------------------------------------------------
 
 
+def requests(workload: str, vocab: int,
+             rng: np.random.Generator) -> tuple[list[list[int]], list[int]]:
+    """A workload's prompts (random token ids below `vocab`) and their output lengths."""
+    if workload == "one stream":
+        prompts, outputs = [rng.integers(100, vocab, size=128).tolist()], [128]
+    elif workload in ("two streams", "four streams"):
+        num = 2 if workload == "two streams" else 4
+        prompts = [rng.integers(100, vocab, size=128).tolist() for _ in range(num)]
+        outputs = [128] * num
+    elif workload == "lone prompt":
+        prompts, outputs = [rng.integers(100, vocab, size=512).tolist()], [1]
+    elif workload == "shared prefix":
+        prompts = []
+        for _ in range(4):
+            prefix = rng.integers(100, vocab, size=512).tolist()
+            prompts += [prefix + rng.integers(100, vocab, size=64).tolist() for _ in range(4)]
+        prompts = [prompts[i] for i in rng.permutation(len(prompts))]
+        outputs = [32] * len(prompts)
+    elif workload == "mixed":
+        prompts = [rng.integers(100, vocab, size=int(rng.integers(32, 513))).tolist()
+                   for _ in range(16)]
+        outputs = [int(rng.integers(16, 129)) for _ in range(16)]
+    else:
+        raise ValueError(workload)
+    return prompts, outputs
+
+
 def _child(workload: str, threads: int, dtype: str) -> tuple[float, float]:
     import torch
 
@@ -160,27 +187,7 @@ def _child(workload: str, threads: int, dtype: str) -> tuple[float, float]:
         return tokens, tokens
     vocab = int(json.loads((folder / "config.json").read_text())["vocab_size"])
     rng = np.random.default_rng(0)
-    if workload == "one stream":
-        prompts, outputs = [rng.integers(100, vocab, size=128).tolist()], [128]
-    elif workload in ("two streams", "four streams"):
-        num = 2 if workload == "two streams" else 4
-        prompts = [rng.integers(100, vocab, size=128).tolist() for _ in range(num)]
-        outputs = [128] * num
-    elif workload == "lone prompt":
-        prompts, outputs = [rng.integers(100, vocab, size=512).tolist()], [1]
-    elif workload == "shared prefix":
-        prompts = []
-        for _ in range(4):
-            prefix = rng.integers(100, vocab, size=512).tolist()
-            prompts += [prefix + rng.integers(100, vocab, size=64).tolist() for _ in range(4)]
-        prompts = [prompts[i] for i in rng.permutation(len(prompts))]
-        outputs = [32] * len(prompts)
-    elif workload == "mixed":
-        prompts = [rng.integers(100, vocab, size=int(rng.integers(32, 513))).tolist()
-                   for _ in range(16)]
-        outputs = [int(rng.integers(16, 129)) for _ in range(16)]
-    else:
-        raise ValueError(workload)
+    prompts, outputs = requests(workload, vocab, rng)
     worker = WorkerConfig(model_path=str(folder), dtype=dtype, max_total_tokens=40_000,
                           cpu_memory_budget_bytes=8 << 30, **graph)
     sched = SchedulerConfig(max_running_requests=64, max_context_len=2048,

@@ -25,7 +25,7 @@ from .cpu_step_graph import CpuStepGraph
 from .device import resolve_device
 from .double_sparse import make_double_sparse
 from .grammar import GrammarCompiler, GrammarTable
-from .graph_head import head_packed
+from .graph_head import head_packed, layers_packed
 from .host_kv_pool import check_copies, make_host_pool
 from .host_memory import keep_freed_memory
 from .kv_pool import KVPool, KVPoolConfig, MLAKVPool
@@ -93,9 +93,9 @@ class ModelRunner:
             self.model, config.kv_pool, config.tp_size)
         if self.device.type == "cpu" and config.cpu_packed_linear:
             if packing_supported(self.device, dtype):
-                if not use_graph:
+                if not use_graph or layers_packed(dtype):  # (bf16 on AMX: graph_head.py)
                     pack_linear_layers(self.model, config.max_running_requests)  # the only copy
-                else:  # the graph reads the layers' weights plain
+                else:  # the graph reads the decoder layers' weights plain
                     if head_packed(self.model, dtype):
                         pack_linear_layers(self.model, config.max_running_requests,
                                            ParallelLMHead)

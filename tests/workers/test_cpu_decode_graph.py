@@ -13,7 +13,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from raydix.workers import cpu_decode_graph
+from raydix.workers import cpu_decode_graph, graph_head
 from raydix.workers.config import WorkerConfig
 from raydix.workers.layers.packed import packing_supported
 from raydix.workers.runner import ModelRunner
@@ -196,12 +196,14 @@ def _plain_layers_packed_head(runner: ModelRunner, head_packed: bool) -> None:
 
 
 def test_decode_graph_keeps_one_weight_per_linear_layer(
-        tiny_models: dict[str, TinyModel], llama_runners: tuple[ModelRunner, ModelRunner]) -> None:
+        tiny_models: dict[str, TinyModel], llama_runners: tuple[ModelRunner, ModelRunner],
+        monkeypatch: pytest.MonkeyPatch) -> None:
     graph_runner, eager = llama_runners
     _plain_layers_packed_head(graph_runner, head_packed=False)  # fp32: every weight plain
     assert graph_runner.weight_bytes == eager.weight_bytes  # eager: packed, the same bytes
     if not packing_supported(torch.device("cpu"), torch.bfloat16):
         return  # no native bf16 here: bf16 stays plain everywhere
+    monkeypatch.setattr(graph_head, "amx_tiles", lambda: False)  # the layers plain (no AMX)
     m = tiny_models["llama"]
     config = WorkerConfig(str(m.folder), dtype="bfloat16", max_running_requests=4,
                           max_context_len=64, max_total_tokens=256)
@@ -221,6 +223,35 @@ def test_decode_graph_keeps_one_weight_per_linear_layer(
         want, plain_logits = _generate(all_plain, m.prompts[0], 6)
     assert got == want
     np.testing.assert_allclose(np.stack(graph_logits), np.stack(plain_logits), atol=0.04, rtol=0)
+
+
+@pytest.mark.skipif(not packing_supported(torch.device("cpu"), torch.bfloat16),
+                    reason="no native bf16 on this CPU (avx512_bf16 or amx): bf16 stays plain")
+def test_bf16_layers_packed_on_amx_decode_and_prefill_as_plain_ones(
+        tiny_models: dict[str, TinyModel], monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 on a CPU with AMX (`graph_head.layers_packed`): every linear layer packed, its only
+    copy, and all three graphs (one request, a batch, a prompt step) call oneDNN on them; the
+    tokens and logits are the all-plain graphs' to bf16's rounding."""
+    m = tiny_models["llama"]
+    monkeypatch.setattr(graph_head, "amx_tiles", lambda: True)
+    config = WorkerConfig(str(m.folder), dtype="bfloat16", max_running_requests=4,
+                          max_context_len=64, max_total_tokens=256, cpu_decode_graph=True,
+                          cpu_step_graph=True)
+    packed = ModelRunner(config)
+    plain = ModelRunner(WorkerConfig(**{**config.__dict__, "cpu_packed_linear": False}))
+    linears = [mod for mod in packed.model.modules() if hasattr(mod, "packed_weight")]
+    assert linears and all(mod.weight is None and mod.packed_weight is not None
+                           for mod in linears)
+    assert packed.weight_bytes == plain.weight_bytes
+    with torch._dynamo.config.patch(error_on_recompile=True), profile(
+            activities=[ProfilerActivity.CPU]) as prof:
+        got, got_logits = _generate(packed, m.prompts[0], 6)
+        together = _generate_together(packed, m.prompts, 4)
+    want, want_logits = _generate(plain, m.prompts[0], 6)
+    assert got == want and together == _generate_together(plain, m.prompts, 4)
+    np.testing.assert_allclose(np.stack(got_logits), np.stack(want_logits), atol=0.1, rtol=0)
+    calls = sum(e.name == "raydix::onednn_linear" for e in prof.events())
+    assert calls > 0 and not any(e.name == "raydix::small_gemm" for e in prof.events())
 
 
 def test_layer_groups_split_evenly_in_order() -> None:

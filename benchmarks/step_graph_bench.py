@@ -1,0 +1,95 @@
+"""The CPU step graph (workers/cpu_step_graph.py) against the eager step it replaces, in one
+process and the same minutes: one engine with the decode graphs, whose prompt steps run through
+the step graph or eagerly (the runner's `step_graph` set or cleared) in alternating runs of
+`engine_bench.py --against`'s prompt-heavy workloads (new random prompts each run, so that no
+run finds another's prefixes in the cache). Prints each side's values per round and the ratio
+with / without (TTFT: lower is better).
+
+On a machine whose pace moves between processes and hours (this project's 2-core VMs: a third
+and more), runs in one process alternated side by side compare the two paths more steadily
+than `engine_bench.py --against`, which starts a process a run.
+
+    python benchmarks/step_graph_bench.py [--dtype bfloat16] [--rounds 3] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import numpy as np
+import torch
+from _against import requests
+
+from raydix.engine.config import EngineConfig, SchedulerConfig
+from raydix.engine.engine import Engine
+from raydix.engine.request import GenerationParams
+from raydix.workers.config import WorkerConfig
+from raydix.workers.gguf_convert import default_model_folder
+
+WORKLOADS = ("lone prompt", "shared prefix", "mixed")
+
+
+def run(engine: Engine, workload: str, vocab: int, seed: int) -> float:
+    """TTFT in seconds (lone prompt) or output tokens/s (the others)."""
+    prompts, outputs = requests(workload, vocab, np.random.default_rng(seed))
+    start = time.perf_counter()
+    first, num_tokens = None, 0
+    for p, n in zip(prompts, outputs, strict=True):
+        engine.add_request(p, GenerationParams(max_new_tokens=n, ignore_eos=True))
+    while engine.has_work:
+        for out in engine.step():
+            num_tokens += len(out.new_token_ids)
+            if first is None and out.new_token_ids:
+                first = time.perf_counter() - start
+    if workload == "lone prompt":
+        assert first is not None
+        return first
+    return num_tokens / (time.perf_counter() - start)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    folder = default_model_folder()
+    vocab = int(json.loads((folder / "config.json").read_text())["vocab_size"])
+    worker = WorkerConfig(model_path=str(folder), dtype=args.dtype, max_total_tokens=40_000,
+                          cpu_memory_budget_bytes=8 << 30, cpu_decode_graph=True,
+                          cpu_step_graph=True)
+    engine = Engine(EngineConfig.build(worker, SchedulerConfig(
+        max_running_requests=64, max_context_len=2048, enable_prefix_cache=True)))
+    runner = engine.executor.worker.runner
+    graph = runner.step_graph
+    if graph is None:
+        raise SystemExit("no CPU step graph for this model and config")
+    run(engine, "lone prompt", vocab, seed=1)  # first-call costs out of the timing
+    print(f"{args.dtype}, {args.threads} threads, {args.rounds} rounds; each round runs "
+          f"every workload eagerly and through the step graph, alternating which goes first")
+    seed = 100
+    for workload in args.workloads:
+        sides: dict[str, list[float]] = {"eager": [], "graph": []}
+        for r in range(args.rounds):
+            order = ("eager", "graph") if r % 2 == 0 else ("graph", "eager")
+            for side in order:
+                runner.step_graph = graph if side == "graph" else None
+                seed += 1
+                sides[side].append(run(engine, workload, vocab, seed))
+        runner.step_graph = graph
+        ratios = np.array(sides["graph"]) / np.array(sides["eager"])
+        unit = "s" if workload == "lone prompt" else "tok/s"
+        better = "lower is better" if workload == "lone prompt" else "higher is better"
+        print(f"  {workload:<14} eager {'/'.join(f'{v:.4g}' for v in sides['eager'])} {unit}   "
+              f"graph {'/'.join(f'{v:.4g}' for v in sides['graph'])} {unit}   graph/eager "
+              f"{ratios.min():.2f}-{ratios.max():.2f}x, median "
+              f"{statistics.median(ratios):.2f}x ({better})", flush=True)
+
+
+if __name__ == "__main__":
+    main()
