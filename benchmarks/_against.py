@@ -38,6 +38,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -154,6 +155,24 @@ def requests(workload: str, vocab: int,
     return prompts, outputs
 
 
+def drive(engine: Any, params: Any, prompts: list[list[int]],
+          outputs: list[int]) -> tuple[tuple[float, float] | None, int, float, float]:
+    """Add every request at once (`params`: the checkout's GenerationParams) and step the
+    engine until all are done: (the first token's wall-clock and CPU time, the output tokens,
+    wall-clock seconds, CPU seconds)."""
+    start, cpu_start = time.perf_counter(), time.process_time()
+    first = None
+    num_tokens = 0
+    for p, n in zip(prompts, outputs, strict=True):
+        engine.add_request(p, params(max_new_tokens=n, ignore_eos=True))
+    while engine.has_work:
+        for out in engine.step():
+            num_tokens += len(out.new_token_ids)
+            if first is None and out.new_token_ids:
+                first = (time.perf_counter() - start, time.process_time() - cpu_start)
+    return first, num_tokens, time.perf_counter() - start, time.process_time() - cpu_start
+
+
 def _child(workload: str, threads: int, dtype: str) -> tuple[float, float]:
     import torch
 
@@ -198,17 +217,7 @@ def _child(workload: str, threads: int, dtype: str) -> tuple[float, float]:
     while engine.has_work:  # first-call costs (oneDNN primitives) out of the timing
         engine.step()
     del warm
-    start, cpu_start = time.perf_counter(), time.process_time()
-    first = None
-    num_tokens = 0
-    for p, n in zip(prompts, outputs, strict=True):
-        engine.add_request(p, GenerationParams(max_new_tokens=n, ignore_eos=True))
-    while engine.has_work:
-        for out in engine.step():
-            num_tokens += len(out.new_token_ids)
-            if first is None and out.new_token_ids:
-                first = (time.perf_counter() - start, time.process_time() - cpu_start)
-    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
+    first, num_tokens, seconds, cpu_seconds = drive(engine, GenerationParams, prompts, outputs)
     if workload == "lone prompt":
         assert first is not None
         return first

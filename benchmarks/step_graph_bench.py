@@ -17,11 +17,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 
 import numpy as np
 import torch
-from _against import requests
+from _against import drive, requests
 
 from raydix.engine.config import EngineConfig, SchedulerConfig
 from raydix.engine.engine import Engine
@@ -35,19 +34,11 @@ WORKLOADS = ("lone prompt", "shared prefix", "mixed")
 def run(engine: Engine, workload: str, vocab: int, seed: int) -> float:
     """TTFT in seconds (lone prompt) or output tokens/s (the others)."""
     prompts, outputs = requests(workload, vocab, np.random.default_rng(seed))
-    start = time.perf_counter()
-    first, num_tokens = None, 0
-    for p, n in zip(prompts, outputs, strict=True):
-        engine.add_request(p, GenerationParams(max_new_tokens=n, ignore_eos=True))
-    while engine.has_work:
-        for out in engine.step():
-            num_tokens += len(out.new_token_ids)
-            if first is None and out.new_token_ids:
-                first = time.perf_counter() - start
+    first, num_tokens, seconds, _ = drive(engine, GenerationParams, prompts, outputs)
     if workload == "lone prompt":
         assert first is not None
-        return first
-    return num_tokens / (time.perf_counter() - start)
+        return first[0]
+    return num_tokens / seconds
 
 
 def main() -> None:

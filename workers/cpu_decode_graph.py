@@ -16,9 +16,11 @@ compiled code (`index_copy_` traced; through the Python operator `raydix::store_
 call of 20-40 us a layer).
 
 The graph reads the decoder layers' weights in their plain `[out, in]` layout, so a runner that
-uses it keeps them plain (one copy) rather than oneDNN-packed. In bf16 the LM head is the
-exception (`PACKED_HEAD_DTYPES`): its weight is packed (the only copy), and both graphs call
-oneDNN's product on it as one opaque operator (`raydix::onednn_linear`): at several rows that
+uses it keeps them plain (one copy) rather than oneDNN-packed, but in bf16 on a CPU with AMX
+tiles, where every layer is packed and the graphs call oneDNN on them (`graph_head.py`:
+`layers_packed`). In bf16 the LM head is packed in any case (`PACKED_HEAD_DTYPES`; the only
+copy), and the graphs call oneDNN's product on it as one opaque operator
+(`raydix::onednn_linear`): at several rows that
 product is about twice as fast as the one on the plain weight, and at one row about as fast as
 the multiply-and-sum. SmolLM2-135M, bf16, two threads, decode steps against the all-plain graph
 in the same minutes (two runs): one request 16.4-16.8 ms against 17.4-17.6, four 30.2-32.4
@@ -41,7 +43,8 @@ not be built, its plain-ops source traced). A mixed workload's decode steps (Smo
 steps of 1-16 requests) took 42-45 ms against 62 eagerly in bf16, 65-67 against 76-78 in fp32.
 
 The graphs are compiled at start (`warm_up`); inductor keeps the compiled code in its on-disk
-cache (`TORCHINDUCTOR_CACHE_DIR`), so a restart on the same machine loads it.
+cache (`TORCHINDUCTOR_CACHE_DIR`), so a restart on the same machine loads it. The steps neither
+graph takes (prompts) run the same runs of layers through the step graph (cpu_step_graph.py).
 """
 
 from __future__ import annotations
@@ -235,6 +238,26 @@ def layer_groups(num_layers: int, per_graph: int) -> list[range]:
     return groups
 
 
+LayerRun = tuple[list[torch.nn.Module], list[RotaryEmbedding], list[torch.Tensor],
+                 list[torch.Tensor]]
+
+
+def layer_runs(model: LlamaForCausalLM, pool: KVPool) -> list[LayerRun]:
+    """The runs of layers (`layer_groups`) as the lists each call of a layer graph passes:
+    layers, their ropes, their K and V buffers. Marks the pool's slot dimension dynamic, so the
+    graphs serve pools of any size (a process may hold several runners, as the tests do) and
+    compile once for every graph's calls (dynamo guards on the marking), and raises dynamo's
+    recompile limit to `RECOMPILE_LIMIT`."""
+    dynamo_config = torch._dynamo.config
+    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, RECOMPILE_LIMIT)
+    for buf in (*pool.k_buffers, *pool.v_buffers):
+        torch._dynamo.maybe_mark_dynamic(buf, 0)
+    layers, ropes = list(model.model.layers), list(model.ropes)
+    return [(layers[g.start:g.stop], ropes[g.start:g.stop], pool.k_buffers[g.start:g.stop],
+             pool.v_buffers[g.start:g.stop])
+            for g in layer_groups(len(layers), LAYERS_PER_GRAPH)]
+
+
 def _as_warmed_up(batch: ForwardBatch) -> bool:
     """The step's input tensors are of the kind the warm-up's were (as the runner makes them):
     int64, one dimension, contiguous, at the start of their storage, inference tensors."""
@@ -264,19 +287,8 @@ class CpuDecodeGraph:
         self.model = model
         self.pool = pool
         self.req_to_token = req_to_token
-        dynamo_config = torch._dynamo.config
-        dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, RECOMPILE_LIMIT)
+        self._groups = layer_runs(model, pool)
         self._layers: Any = torch.compile(_layers_step, dynamic=False, fullgraph=True)
-        # the runs of layers, as the lists each call of either graph passes
-        layers, ropes = list(model.model.layers), list(model.ropes)
-        self._groups = [(layers[g.start:g.stop], ropes[g.start:g.stop],
-                         pool.k_buffers[g.start:g.stop], pool.v_buffers[g.start:g.stop])
-                        for g in layer_groups(len(layers), LAYERS_PER_GRAPH)]
-        # The pool's buffers' slot dimension is dynamic, so the graphs serve pools of any size
-        # (a process may hold several runners, as the tests do) and are compiled once for both
-        # the lone and the batched steps' calls (dynamo guards on the marking)
-        for buf in (*pool.k_buffers, *pool.v_buffers):
-            torch._dynamo.maybe_mark_dynamic(buf, 0)
         self._head: Any = torch.compile(_head_step, dynamic=False, fullgraph=True)
         self.skip_guards = False  # set by warm_up (see replay)
         self._warm_state: tuple[object, ...] = ()  # `_global_state()` in the warm-up

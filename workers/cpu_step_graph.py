@@ -30,7 +30,7 @@ import torch
 
 from .attention.base import ForwardBatch, LayerAttention
 from .attention.torch_backend import TorchAttentionBackend
-from .cpu_decode_graph import LAYERS_PER_GRAPH, RECOMPILE_LIMIT, layer_groups
+from .cpu_decode_graph import layer_runs
 from .kv_pool import KVPool
 from .layers.fused import TORCH_OPS
 from .layers.rotary import RotaryEmbedding
@@ -99,15 +99,8 @@ class CpuStepGraph:
     def __init__(self, model: LlamaForCausalLM, pool: KVPool,
                  backend: TorchAttentionBackend) -> None:
         self.model, self.pool, self.backend = model, pool, backend
-        dynamo_config = torch._dynamo.config
-        dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, RECOMPILE_LIMIT)
+        self._groups = layer_runs(model, pool)  # the decode graphs' runs of layers
         self._layers: Any = torch.compile(_step_layers, dynamic=False, fullgraph=True)
-        layers, ropes = list(model.model.layers), list(model.ropes)
-        self._groups = [(layers[g.start:g.stop], ropes[g.start:g.stop],
-                         pool.k_buffers[g.start:g.stop], pool.v_buffers[g.start:g.stop])
-                        for g in layer_groups(len(layers), LAYERS_PER_GRAPH)]
-        for buf in (*pool.k_buffers, *pool.v_buffers):
-            torch._dynamo.maybe_mark_dynamic(buf, 0)  # pools of any size (as the decode graph)
         self._layer = backend.layers[0]  # every layer is plain (`eligible`)
 
     def can_run(self, batch: ForwardBatch) -> bool:
