@@ -14,7 +14,8 @@ the step as before (`TorchAttentionBackend.prepare`: decode tokens on the pages,
 prompts in row blocks), so a step of prompts and decode tokens together runs as one.
 
 Models served: those the decode graph serves (`cpu_decode_graph.eligible`: the Llama family at
-tp 1, plain layers, the default pool), with the torch attention backend. Steps of a single
+tp 1, plain layers, the default pool), with the torch attention backend, in bf16
+(`STEP_DTYPES`). Steps of a single
 token run eagerly (dynamo would specialize a dimension of size one).
 
 Compiled at start (`warm_up`) and cached on disk by inductor as the decode graphs are.
@@ -38,6 +39,14 @@ from .models.llama import LlamaForCausalLM
 
 # steps of fewer tokens run eagerly (see the docstring)
 MIN_TOKENS = 2
+
+# dtypes whose prompt steps run the step graph. `benchmarks/step_graph_bench.py` (SmolLM2-135M,
+# two threads, an Intel Xeon with AMX, four rounds, step graph / eager, median and range): bf16
+# TTFT of a lone 512-token prompt 0.82x (0.76-0.84), shared prefix 1.10x (1.04-1.12), mixed
+# 1.30x (1.01-1.80); float32 TTFT 0.95x (0.91-0.99), shared prefix 1.04x (0.93-1.08), mixed
+# 0.92x (0.84-1.14): its products are most of a float32 prompt, and the graph's start-up (2.5-3
+# s a start) buys nothing certain there
+STEP_DTYPES = (torch.bfloat16,)
 
 
 class _Active:

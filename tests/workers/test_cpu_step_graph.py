@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 import torch
 
+from raydix.workers import cpu_step_graph
+from raydix.workers import runner as runner_module
 from raydix.workers.config import WorkerConfig
 from raydix.workers.runner import ModelRunner
 from raydix.workers.step import ScheduledRequest, StepPlan
@@ -19,6 +21,13 @@ from .conftest import TinyModel
 TOLERANCES = {"bfloat16": dict(atol=0.1, rtol=0.05),  # two bf16 paths rounding differently
               "float32": dict(atol=1e-4, rtol=0.0)}
 LONG = 150  # a prompt this long takes the bf16 row-block attention (block_causal.MIN_KEYS)
+
+
+@pytest.fixture(autouse=True)
+def float32_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The graph in float32 as well (served in bf16 only: `STEP_DTYPES`), where it is exact."""
+    monkeypatch.setattr(cpu_step_graph, "STEP_DTYPES", (torch.bfloat16, torch.float32))
+    monkeypatch.setattr(runner_module, "STEP_DTYPES", (torch.bfloat16, torch.float32))
 
 
 def _runner(m: TinyModel, graphs: bool, dtype: str) -> ModelRunner:
@@ -109,3 +118,11 @@ def test_one_token_steps_run_eagerly(tiny_models: dict[str, TinyModel],
     plan = StepPlan.build(0, [ScheduledRequest(1, 0, [42], [16])])
     np.testing.assert_allclose(runner.forward(plan).numpy(), eager.forward(plan).numpy(),
                                atol=1e-4, rtol=0)
+
+
+def test_float32_is_served_without_the_step_graph(tiny_models: dict[str, TinyModel],
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.undo()  # `STEP_DTYPES` as served
+    m = tiny_models["llama"]
+    assert _runner(m, True, "float32").step_graph is None
+    assert _runner(m, True, "bfloat16").step_graph is not None
