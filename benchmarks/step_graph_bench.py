@@ -28,7 +28,7 @@ from _against import drive, requests
 from raydix.engine.config import EngineConfig, SchedulerConfig
 from raydix.engine.engine import Engine
 from raydix.engine.request import GenerationParams
-from raydix.workers import runner as runner_module
+from raydix.workers import cpu_step_graph
 from raydix.workers.config import WorkerConfig
 from raydix.workers.gguf_convert import default_model_folder
 
@@ -56,7 +56,7 @@ def main() -> None:
     folder = default_model_folder()
     vocab = int(json.loads((folder / "config.json").read_text())["vocab_size"])
     # the graph in either dtype, served or not (float32 is not: `cpu_step_graph.STEP_DTYPES`)
-    runner_module.STEP_DTYPES = (torch.bfloat16, torch.float32)
+    cpu_step_graph.STEP_DTYPES = (torch.bfloat16, torch.float32)
     worker = WorkerConfig(model_path=str(folder), dtype=args.dtype, max_total_tokens=40_000,
                           cpu_memory_budget_bytes=8 << 30, cpu_decode_graph=True,
                           cpu_step_graph=True)

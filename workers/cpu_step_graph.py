@@ -49,6 +49,11 @@ MIN_TOKENS = 2
 STEP_DTYPES = (torch.bfloat16,)
 
 
+def serves(dtype: torch.dtype) -> bool:
+    """Whether a runner in `dtype` runs its prompt steps through the step graph."""
+    return dtype in STEP_DTYPES
+
+
 class _Active:
     """The backend prepared for the step being run, which `raydix::step_attention` calls."""
 

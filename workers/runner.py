@@ -21,7 +21,8 @@ from .attention import (
 )
 from .config import ModelConfig, WorkerConfig
 from .cpu_decode_graph import BATCHED_DTYPES, CpuDecodeGraph, wanted
-from .cpu_step_graph import STEP_DTYPES, CpuStepGraph
+from .cpu_step_graph import CpuStepGraph
+from .cpu_step_graph import serves as step_graph_serves
 from .device import resolve_device
 from .double_sparse import make_double_sparse
 from .grammar import GrammarCompiler, GrammarTable
@@ -161,7 +162,7 @@ class ModelRunner:
                         "cache in a few seconds)")
             logger.info("CPU decode graph ready in %.1f s", self.decode_graph.warm_up())
         self.step_graph: CpuStepGraph | None = None
-        if (self.decode_graph is not None and config.cpu_step_graph and dtype in STEP_DTYPES
+        if (self.decode_graph is not None and config.cpu_step_graph and step_graph_serves(dtype)
                 and isinstance(self.backend, TorchAttentionBackend)
                 and isinstance(self.kv_pool, KVPool)):
             self.step_graph = CpuStepGraph(self.model, self.kv_pool, self.backend)

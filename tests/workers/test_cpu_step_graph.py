@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from raydix.workers import cpu_step_graph
-from raydix.workers import runner as runner_module
 from raydix.workers.config import WorkerConfig
 from raydix.workers.runner import ModelRunner
 from raydix.workers.step import ScheduledRequest, StepPlan
@@ -27,7 +26,6 @@ LONG = 150  # a prompt this long takes the bf16 row-block attention (block_causa
 def float32_too(monkeypatch: pytest.MonkeyPatch) -> None:
     """The graph in float32 as well (served in bf16 only: `STEP_DTYPES`), where it is exact."""
     monkeypatch.setattr(cpu_step_graph, "STEP_DTYPES", (torch.bfloat16, torch.float32))
-    monkeypatch.setattr(runner_module, "STEP_DTYPES", (torch.bfloat16, torch.float32))
 
 
 def _runner(m: TinyModel, graphs: bool, dtype: str) -> ModelRunner:
