@@ -40,7 +40,7 @@ from .models.llama import LlamaForCausalLM
 # steps of fewer tokens run eagerly (see the docstring)
 MIN_TOKENS = 2
 
-# dtypes whose prompt steps run the step graph. `benchmarks/step_graph_bench.py` (SmolLM2-135M,
+# dtypes whose prompt steps run the step graph. `benchmarks/path_bench.py --path step-graph` (SmolLM2-135M,
 # two threads, an Intel Xeon with AMX, four rounds, step graph / eager, median and range): bf16
 # TTFT of a lone 512-token prompt 0.82x (0.76-0.84), shared prefix 1.10x (1.04-1.12), mixed
 # 1.30x (1.01-1.80); float32 TTFT 0.95x (0.91-0.99), shared prefix 1.04x (0.93-1.08), mixed

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from .cpu_decode_graph import PACKED_HEAD_DTYPES
+from .cpu_features import amx_tiles
 from .layers.embedding import ParallelLMHead
 from .layers.packed import MIN_MEASURED_WEIGHTS, linear, pack_weight
 
@@ -46,11 +47,6 @@ PACKED_HEAD_MAX_SHARE = 0.9
 
 # dtypes whose decoder layers are packed beside the graph where the CPU has AMX tiles
 PACKED_LAYER_DTYPES = (torch.bfloat16,)
-
-
-def amx_tiles() -> bool:
-    """The CPU has AMX tiles (a function, so that tests can take either path)."""
-    return bool(torch.cpu._is_amx_tile_supported())
 
 
 def layers_packed(dtype: torch.dtype) -> bool:

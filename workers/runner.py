@@ -21,6 +21,7 @@ from .attention import (
 )
 from .config import ModelConfig, WorkerConfig
 from .cpu_decode_graph import BATCHED_DTYPES, CpuDecodeGraph, wanted
+from .cpu_features import native_bf16
 from .cpu_step_graph import CpuStepGraph
 from .cpu_step_graph import serves as step_graph_serves
 from .device import resolve_device
@@ -34,7 +35,6 @@ from .layers import small_gemm
 from .layers.embedding import ParallelLMHead
 from .layers.fused import fused_ops_for
 from .layers.packed import (
-    native_bf16,
     pack_linear_layers,
     packing_supported,
     plain_linear_weights,

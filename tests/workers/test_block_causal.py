@@ -125,7 +125,7 @@ def test_the_runner_is_as_close_to_float32_as_with_the_flash_kernel(
 
     bf16, fp32 = runner("bfloat16"), runner("float32")
     backend = bf16.backend
-    assert isinstance(backend, TorchAttentionBackend) and backend.block_causal  # the default
+    assert isinstance(backend, TorchAttentionBackend)
     calls = []
     monkeypatch.setattr(torch_backend, "block_causal_attention",
                         lambda *args: calls.append(args[3]) or block_causal_attention(*args))
@@ -144,3 +144,23 @@ def test_the_runner_is_as_close_to_float32_as_with_the_flash_kernel(
     # every layer of every bf16 step past 128 keys took the blocks, with the chunk's prefix
     # (the first 80-token chunk, 80 keys, the flash kernel)
     assert calls == [p for p in (0, 80, 160) for _ in range(num_layers)]
+
+
+@pytest.mark.parametrize("amx", [False, True])
+def test_the_row_blocks_run_where_the_cpu_has_no_amx_tiles(
+        tiny_models: dict[str, TinyModel], monkeypatch: pytest.MonkeyPatch, amx: bool) -> None:
+    """With AMX tiles torch's flash kernel is faster in bf16 (block_causal.py): a bf16 prompt
+    past `MIN_KEYS` takes the row blocks only where the CPU has none."""
+    m = tiny_models["llama"]
+    monkeypatch.setattr(torch_backend, "amx_tiles", lambda: amx)
+    runner = ModelRunner(WorkerConfig(str(m.folder), dtype="bfloat16", max_running_requests=2,
+                                      max_context_len=512, max_total_tokens=1024))
+    assert isinstance(runner.backend, TorchAttentionBackend)
+    assert runner.backend.block_causal is not amx
+    calls = []
+    monkeypatch.setattr(torch_backend, "block_causal_attention",
+                        lambda *args: calls.append(args[3]) or block_causal_attention(*args))
+    prompt = (m.prompts[0] * 40)[:block_causal.MIN_KEYS + 20]
+    logits = _chunk_logits(runner, prompt, len(prompt))
+    assert torch.isfinite(logits).all()
+    assert len(calls) == (0 if amx else runner.model_config.num_layers)

@@ -18,11 +18,11 @@ from raydix.workers.attention.torch_backend import (
     split_by_length,
 )
 from raydix.workers.config import WorkerConfig
+from raydix.workers.cpu_features import native_bf16
 from raydix.workers.host_memory import keep_freed_memory
 from raydix.workers.layers import packed as packed_module
 from raydix.workers.layers.packed import (
     linear,
-    native_bf16,
     pack_weight,
     packing_supported,
     pick_cpu_dtype,

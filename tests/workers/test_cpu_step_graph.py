@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from raydix.workers import cpu_step_graph
+from raydix.workers.attention import torch_backend
 from raydix.workers.config import WorkerConfig
 from raydix.workers.runner import ModelRunner
 from raydix.workers.step import ScheduledRequest, StepPlan
@@ -20,6 +21,7 @@ from .conftest import TinyModel
 TOLERANCES = {"bfloat16": dict(atol=0.1, rtol=0.05),  # two bf16 paths rounding differently
               "float32": dict(atol=1e-4, rtol=0.0)}
 LONG = 150  # a prompt this long takes the bf16 row-block attention (block_causal.MIN_KEYS)
+# where the CPU has no AMX tiles (patched so below: with them, the flash kernel, as float32's)
 
 
 @pytest.fixture(autouse=True)
@@ -66,6 +68,7 @@ def test_prompt_steps_run_the_step_graph_and_agree_with_the_eager_step(
         tiny_models: dict[str, TinyModel], monkeypatch: pytest.MonkeyPatch, kind: str,
         dtype: str) -> None:
     m = tiny_models[kind]
+    monkeypatch.setattr(torch_backend, "amx_tiles", lambda: False)
     runner, eager = _runner(m, True, dtype), _runner(m, False, dtype)
     graph = runner.step_graph
     assert graph is not None and eager.step_graph is None

@@ -8,8 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from raydix.workers.cpu_features import native_bf16
 from raydix.workers.layers import small_gemm
-from raydix.workers.layers.packed import linear, native_bf16
+from raydix.workers.layers.packed import linear
 
 pytestmark = pytest.mark.skipif(
     not (native_bf16() and torch.cpu._is_avx512_bf16_supported()),

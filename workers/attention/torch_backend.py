@@ -4,8 +4,8 @@ Single-token requests (decode) are attended in padded batches: on CPU those that
 prefix through cascade groups (cascade.py), the rest in at most two batches split by length
 (`split_by_length`), so that a few long requests do not pad every short one to their length.
 Multi-token requests (extend) run one request at a time, with a causal mask shifted by the
-request's prefix length; on CPU in bf16, plain causal layers' extends run as row blocks of
-matrix products instead (block_causal.py). Windowed layers (`LayerAttention.window`) mask the
+request's prefix length; on CPU in bf16 without AMX tiles, plain causal layers' extends run as
+row blocks of matrix products instead (block_causal.py). Windowed layers (`LayerAttention.window`) mask the
 keys before their window; layers with a logit soft cap compute their scores explicitly.
 Cascades serve models whose layers are all plain. Extend attention runs through the SDPA
 kernels named in `SDPA_BACKENDS`: left to choose, torch picks cuDNN attention on recent GPUs,
@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from ..cpu_features import amx_tiles
 from ..kv_pool import KVPool
 from .base import AttentionBackend, ForwardBatch, LayerAttention
 from .block_causal import block_causal_attention, blocks_faster
@@ -74,8 +75,10 @@ class TorchAttentionBackend(AttentionBackend):
         # decode attention of plain layers on the pages in place (paged_decode.py); None: the
         # keys and values are copied into dense tensors
         self.paged_kernel: Kernel | None = None
-        # bf16 extends on CPU through block_causal.py, not torch's flash kernel (tests compare)
-        self.block_causal = True
+        # bf16 extends on CPU through block_causal.py, not torch's flash kernel (tests compare),
+        # where the CPU has no AMX tiles: with them torch's kernel runs its products on the
+        # tiles and takes half the row blocks' time (block_causal.py)
+        self.block_causal = not amx_tiles()
 
     def prepare(self, batch: ForwardBatch) -> None:
         self._out_cache_loc = batch.out_cache_loc

@@ -15,7 +15,6 @@ would emulate it, and the layers stay plain.
 
 from __future__ import annotations
 
-import functools
 import logging
 import statistics
 import time
@@ -25,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..cpu_features import native_bf16
 from . import small_gemm
 
 if TYPE_CHECKING:
@@ -32,12 +32,6 @@ if TYPE_CHECKING:
     from ..parallel import TPGroup
 
 logger = logging.getLogger(__name__)
-
-
-@functools.cache
-def native_bf16() -> bool:
-    """The CPU computes bf16 dot products in hardware (AVX-512-BF16 or AMX tiles)."""
-    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
 
 
 # this torch build has oneDNN's linear ops (read once: dynamo does not trace the check)

@@ -1,15 +1,20 @@
-"""The CPU step graph (workers/cpu_step_graph.py) against the eager step it replaces, in one
-process and the same minutes: one engine with the decode graphs, whose prompt steps run through
-the step graph or eagerly (the runner's `step_graph` set or cleared) in alternating runs of
+"""One path of the CPU engine against the one it replaces, in one process and the same minutes:
+one engine with the decode graphs, whose steps take the path or not in alternating runs of
 `engine_bench.py --against`'s prompt-heavy workloads (new random prompts each run, so that no
 run finds another's prefixes in the cache). Prints each side's values per round and the ratio
-with / without (TTFT: lower is better).
+with / without (TTFT: lower is better). The paths (`--path`):
+
+- `step-graph`: prompt steps through the CPU step graph (workers/cpu_step_graph.py) or eagerly
+  (the runner's `step_graph` set or cleared);
+- `row-blocks`: bf16 extend attention as row blocks of products (workers/attention/
+  block_causal.py) or torch's flash kernel (the backend's `block_causal` set or cleared).
 
 On a machine whose pace moves between processes and hours (this project's 2-core VMs: a third
 and more), runs in one process alternated side by side compare the two paths more steadily
 than `engine_bench.py --against`, which starts a process a run.
 
-    python benchmarks/step_graph_bench.py [--dtype bfloat16|float32] [--rounds 3] [--threads 2]
+    python benchmarks/path_bench.py [--path step-graph|row-blocks] [--dtype bfloat16|float32]
+                                    [--rounds 3] [--threads 2]
 
 (raydix serves the step graph in bf16 only, `cpu_step_graph.STEP_DTYPES`; `--dtype float32`
 builds it anyway, to measure it.)
@@ -29,10 +34,12 @@ from raydix.engine.config import EngineConfig, SchedulerConfig
 from raydix.engine.engine import Engine
 from raydix.engine.request import GenerationParams
 from raydix.workers import cpu_step_graph
+from raydix.workers.attention import block_causal
 from raydix.workers.config import WorkerConfig
 from raydix.workers.gguf_convert import default_model_folder
 
 WORKLOADS = ("lone prompt", "shared prefix", "mixed")
+PATHS = ("step-graph", "row-blocks")
 
 
 def run(engine: Engine, workload: str, vocab: int, seed: int) -> float:
@@ -47,6 +54,7 @@ def run(engine: Engine, workload: str, vocab: int, seed: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--path", default="step-graph", choices=PATHS)
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
@@ -64,26 +72,37 @@ def main() -> None:
         max_running_requests=64, max_context_len=2048, enable_prefix_cache=True)))
     runner = engine.executor.worker.runner
     graph = runner.step_graph
-    if graph is None:
+    if args.path == "step-graph" and graph is None:
         raise SystemExit("no CPU step graph for this model and config")
+    if args.path == "row-blocks" and args.dtype != "bfloat16":
+        raise SystemExit("the row blocks run in bf16 only")
+    block_causal.warm_up()
+
+    def take(side: str) -> None:
+        if args.path == "step-graph":
+            runner.step_graph = graph if side == "with" else None
+        else:
+            runner.backend.block_causal = side == "with"
+
+    served = runner.backend.block_causal
     run(engine, "lone prompt", vocab, seed=1)  # first-call costs out of the timing
-    print(f"{args.dtype}, {args.threads} threads, {args.rounds} rounds; each round runs "
-          f"every workload eagerly and through the step graph, alternating which goes first")
+    print(f"{args.path}, {args.dtype}, {args.threads} threads, {args.rounds} rounds; each round "
+          f"runs every workload with and without it, alternating which goes first")
     seed = 100
     for workload in args.workloads:
-        sides: dict[str, list[float]] = {"eager": [], "graph": []}
+        sides: dict[str, list[float]] = {"without": [], "with": []}
         for r in range(args.rounds):
-            order = ("eager", "graph") if r % 2 == 0 else ("graph", "eager")
+            order = ("without", "with") if r % 2 == 0 else ("with", "without")
             for side in order:
-                runner.step_graph = graph if side == "graph" else None
+                take(side)
                 seed += 1
                 sides[side].append(run(engine, workload, vocab, seed))
-        runner.step_graph = graph
-        ratios = np.array(sides["graph"]) / np.array(sides["eager"])
+        runner.step_graph, runner.backend.block_causal = graph, served
+        ratios = np.array(sides["with"]) / np.array(sides["without"])
         unit = "s" if workload == "lone prompt" else "tok/s"
         better = "lower is better" if workload == "lone prompt" else "higher is better"
-        print(f"  {workload:<14} eager {'/'.join(f'{v:.4g}' for v in sides['eager'])} {unit}   "
-              f"graph {'/'.join(f'{v:.4g}' for v in sides['graph'])} {unit}   graph/eager "
+        print(f"  {workload:<14} without {'/'.join(f'{v:.4g}' for v in sides['without'])} {unit}"
+              f"   with {'/'.join(f'{v:.4g}' for v in sides['with'])} {unit}   with/without "
               f"{ratios.min():.2f}-{ratios.max():.2f}x, median "
               f"{statistics.median(ratios):.2f}x ({better})", flush=True)
 
