@@ -139,66 +139,84 @@ INLINE void pass_keys(const void *k_buf, const void *v_buf, const int64_t *slots
 
 /* `pass_keys` for the many queries of a shared prefix's pass, where the arithmetic, not the
    reads, takes the time: each block's keys transposed once, so that a query's scores are its
-   elements times rows of keys, summed in vectors along the keys (no sums across lanes), two
-   queries at a time (8 independent sums); each query's accumulator takes the block's values
-   key after key in registers. In vectors of 8 floats (GCC's vector extension: AVX2's registers,
-   or two SSE ones) where HEAD_DIM is a multiple of 8, plain loops otherwise. */
-#if HEAD_DIM % 8 == 0
-typedef float vec8 __attribute__((vector_size(32)));
-typedef float vec8u __attribute__((vector_size(32), aligned(4), may_alias)); /* in memory */
-#define NV (HEAD_DIM / 8)
-#define NB (BLOCK / 8)
-INLINE vec8 vload(const float *p) { return *(const vec8u *)p; }
-INLINE void vstore(float *p, vec8 v) { *(vec8u *)p = v; }
-INLINE vec8 vsplat(float x) { return (vec8){x, x, x, x, x, x, x, x}; }
+   elements times rows of keys, summed in vectors along the keys (no sums across lanes), QS
+   queries at a time (8 independent sums); each query's accumulator takes the block's values key
+   after key in registers, QW queries at a time. In vectors of VW floats (GCC's vector
+   extension): 16 (AVX-512's registers) where the CPU has them and HEAD_DIM is a multiple of 16,
+   else 8 (AVX2's, or two SSE ones) where HEAD_DIM is a multiple of 8, plain loops otherwise.
+   Against 8-float vectors on an AVX-512 Xeon (two threads, 3 KV heads of 64, 3 queries each,
+   the whole call, medians of five): 8 groups of 8 requests sharing 512 keys (+64 each) 0.82x
+   the time in bf16, 0.91x in float32; 4 groups of 4, 0.72x / 0.87x; 2 groups of 10 sharing
+   1,000 keys (+20), 0.84x / 0.86x. */
+#if defined(__AVX512F__) && HEAD_DIM % 16 == 0 && BLOCK % 16 == 0
+#define VW 16
+#define QS 4
+#define QW 2
+#elif HEAD_DIM % 8 == 0
+#define VW 8
+#define QS 2
+#define QW 1
+#endif
+#ifdef VW
+typedef float vecw __attribute__((vector_size(4 * VW)));
+typedef float vecwu __attribute__((vector_size(4 * VW), aligned(4), may_alias)); /* in memory */
+#define NV (HEAD_DIM / VW)
+#define NB (BLOCK / VW)
+INLINE vecw vload(const float *p) { return *(const vecwu *)p; }
+INLINE void vstore(float *p, vecw v) { *(vecwu *)p = v; }
+INLINE vecw vsplat(float x) { return x - (vecw){0}; }
 
-/* a block's scores of queries g and g2 (the same query twice for an odd last one) */
-INLINE void scores2(const float (*qf)[HEAD_DIM], int g, int g2, const float (*kt)[BLOCK],
-                    float *out0, float *out1) {
-  vec8 a[NB], b[NB];
-  _Pragma("GCC unroll 16") for (int v = 0; v < NB; v++) a[v] = b[v] = vsplat(0.f);
+/* a block's scores of the QS queries g[0..QS) (repeats allowed: a last group's spare lanes) */
+INLINE void scores_q(const float (*qf)[HEAD_DIM], const int *g, const float (*kt)[BLOCK],
+                     float (*sc)[BLOCK]) {
+  vecw a[QS][NB];
+  _Pragma("GCC unroll 16") for (int i = 0; i < QS; i++)
+    _Pragma("GCC unroll 16") for (int v = 0; v < NB; v++) a[i][v] = vsplat(0.f);
   for (int d = 0; d < HEAD_DIM; d++) {
-    const vec8 x = vsplat(qf[g][d]), y = vsplat(qf[g2][d]);
+    vecw x[QS];
+    _Pragma("GCC unroll 16") for (int i = 0; i < QS; i++) x[i] = vsplat(qf[g[i]][d]);
     _Pragma("GCC unroll 16") for (int v = 0; v < NB; v++) {
-      const vec8 k = vload(kt[d] + 8 * v);
-      a[v] += x * k;
-      b[v] += y * k;
+      const vecw k = vload(kt[d] + VW * v);
+      _Pragma("GCC unroll 16") for (int i = 0; i < QS; i++) a[i][v] += x[i] * k;
     }
   }
-  _Pragma("GCC unroll 16") for (int v = 0; v < NB; v++) {
-    vstore(out0 + 8 * v, a[v]);
-    vstore(out1 + 8 * v, b[v]);
-  }
+  _Pragma("GCC unroll 16") for (int i = 0; i < QS; i++)
+    _Pragma("GCC unroll 16") for (int v = 0; v < NB; v++) vstore(sc[g[i]] + VW * v, a[i][v]);
 }
 
-/* acc += the sum over the block's n keys of p[j] times their values */
-INLINE void weigh_values(float *acc, const float *p, const float (*vb)[HEAD_DIM], int n) {
-  vec8 a[NV];
-  _Pragma("GCC unroll 16") for (int v = 0; v < NV; v++) a[v] = vload(acc + 8 * v);
+/* acc[g[i]] += the sum over the block's n keys of sc[g[i]][j] times their values, for the QW
+   queries g[0..QW) (repeats allowed: each copy sums the same and stores the same) */
+INLINE void weigh_q(float (*acc)[HEAD_DIM], const float (*sc)[BLOCK], const int *g,
+                    const float (*vb)[HEAD_DIM], int n) {
+  vecw a[QW][NV];
+  _Pragma("GCC unroll 16") for (int i = 0; i < QW; i++)
+    _Pragma("GCC unroll 16") for (int v = 0; v < NV; v++) a[i][v] = vload(acc[g[i]] + VW * v);
   for (int j = 0; j < n; j++) {
-    const vec8 w = vsplat(p[j]);
-    _Pragma("GCC unroll 16") for (int v = 0; v < NV; v++) a[v] += w * vload(vb[j] + 8 * v);
+    vecw w[QW];
+    _Pragma("GCC unroll 16") for (int i = 0; i < QW; i++) w[i] = vsplat(sc[g[i]][j]);
+    _Pragma("GCC unroll 16") for (int v = 0; v < NV; v++) {
+      const vecw x = vload(vb[j] + VW * v);
+      _Pragma("GCC unroll 16") for (int i = 0; i < QW; i++) a[i][v] += w[i] * x;
+    }
   }
-  _Pragma("GCC unroll 16") for (int v = 0; v < NV; v++) vstore(acc + 8 * v, a[v]);
+  _Pragma("GCC unroll 16") for (int i = 0; i < QW; i++)
+    _Pragma("GCC unroll 16") for (int v = 0; v < NV; v++) vstore(acc[g[i]] + VW * v, a[i][v]);
 }
 #else
-INLINE void scores2(const float (*qf)[HEAD_DIM], int g, int g2, const float (*kt)[BLOCK],
-                    float *out0, float *out1) {
-  float a[BLOCK] = {0}, b[BLOCK] = {0};
+#define QS 1
+#define QW 1
+INLINE void scores_q(const float (*qf)[HEAD_DIM], const int *g, const float (*kt)[BLOCK],
+                     float (*sc)[BLOCK]) {
+  float a[BLOCK] = {0};
   for (int d = 0; d < HEAD_DIM; d++)
-    for (int j = 0; j < BLOCK; j++) {
-      a[j] += qf[g][d] * kt[d][j];
-      b[j] += qf[g2][d] * kt[d][j];
-    }
-  for (int j = 0; j < BLOCK; j++) {
-    out0[j] = a[j];
-    out1[j] = b[j];
-  }
+    for (int j = 0; j < BLOCK; j++) a[j] += qf[g[0]][d] * kt[d][j];
+  for (int j = 0; j < BLOCK; j++) sc[g[0]][j] = a[j];
 }
 
-INLINE void weigh_values(float *acc, const float *p, const float (*vb)[HEAD_DIM], int n) {
+INLINE void weigh_q(float (*acc)[HEAD_DIM], const float (*sc)[BLOCK], const int *g,
+                    const float (*vb)[HEAD_DIM], int n) {
   for (int j = 0; j < n; j++)
-    for (int d = 0; d < HEAD_DIM; d++) acc[d] += p[j] * vb[j][d];
+    for (int d = 0; d < HEAD_DIM; d++) acc[g[0]][d] += sc[g[0]][j] * vb[j][d];
 }
 #endif
 
@@ -218,12 +236,18 @@ INLINE void pass_shared(const void *k_buf, const void *v_buf, const int64_t *slo
     }
     for (int d = 0; d < HEAD_DIM; d++) /* a last block's empty columns: scores never read */
       for (int j = n; j < BLOCK; j++) kt[d][j] = 0.f;
-    for (int g = 0; g < nq; g += 2)
-      scores2((const float (*)[HEAD_DIM])qf, g, g + 1 < nq ? g + 1 : g,
-              (const float (*)[BLOCK])kt, sc[g], sc[g + 1 < nq ? g + 1 : g]);
+    for (int g0 = 0; g0 < nq; g0 += QS) {
+      int g[QS];
+      for (int i = 0; i < QS; i++) g[i] = g0 + i < nq ? g0 + i : nq - 1;
+      scores_q((const float (*)[HEAD_DIM])qf, g, (const float (*)[BLOCK])kt, sc);
+    }
     for (int g = 0; g < nq; g++) softmax_step(sc[g], n, &m[g], &s[g], acc[g]);
     for (int j = 0; j < n; j++) load_row(vb[j], v_buf, slots[l0 + j] * num_kv_heads + h, bf16);
-    for (int g = 0; g < nq; g++) weigh_values(acc[g], sc[g], (const float (*)[HEAD_DIM])vb, n);
+    for (int g0 = 0; g0 < nq; g0 += QW) {
+      int g[QW];
+      for (int i = 0; i < QW; i++) g[i] = g0 + i < nq ? g0 + i : nq - 1;
+      weigh_q(acc, (const float (*)[BLOCK])sc, g, (const float (*)[HEAD_DIM])vb, n);
+    }
   }
 }
 
