@@ -7,7 +7,9 @@ with / without (TTFT: lower is better). The paths (`--path`):
 - `step-graph`: prompt steps through the CPU step graph (workers/cpu_step_graph.py) or eagerly
   (the runner's `step_graph` set or cleared);
 - `row-blocks`: bf16 extend attention as row blocks of products (workers/attention/
-  block_causal.py) or torch's flash kernel (the backend's `block_causal` set or cleared).
+  block_causal.py) or torch's flash kernel (the backend's `block_causal` set or cleared);
+- `packed-gemv`: bf16 products of one to four rows on the packed weights read in place
+  (workers/layers/packed_gemv.py) or by oneDNN (`packed_gemv.ENABLED`).
 
 On a machine whose pace moves between processes and hours (this project's 2-core VMs: a third
 and more), runs in one process alternated side by side compare the two paths more steadily
@@ -37,9 +39,13 @@ from raydix.workers import cpu_step_graph
 from raydix.workers.attention import block_causal
 from raydix.workers.config import WorkerConfig
 from raydix.workers.gguf_convert import default_model_folder
+from raydix.workers.layers import packed_gemv
 
-WORKLOADS = ("lone prompt", "shared prefix", "mixed")
-PATHS = ("step-graph", "row-blocks")
+WORKLOADS = ("one stream", "four streams", "lone prompt", "shared prefix", "mixed")
+PATHS = ("step-graph", "row-blocks", "packed-gemv")
+DEFAULT_WORKLOADS = {"step-graph": ("lone prompt", "shared prefix", "mixed"),
+                     "row-blocks": ("lone prompt", "shared prefix", "mixed"),
+                     "packed-gemv": ("one stream", "four streams", "mixed")}
 
 
 def run(engine: Engine, workload: str, vocab: int, seed: int) -> float:
@@ -58,7 +64,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
+    parser.add_argument("--workloads", nargs="+", choices=WORKLOADS,
+                        help="default: the path's (DEFAULT_WORKLOADS)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     folder = default_model_folder()
@@ -74,22 +81,26 @@ def main() -> None:
     graph = runner.step_graph
     if args.path == "step-graph" and graph is None:
         raise SystemExit("no CPU step graph for this model and config")
-    if args.path == "row-blocks" and args.dtype != "bfloat16":
-        raise SystemExit("the row blocks run in bf16 only")
+    if args.path in ("row-blocks", "packed-gemv") and args.dtype != "bfloat16":
+        raise SystemExit(f"{args.path} runs in bf16 only")
+    if args.path == "packed-gemv" and not packed_gemv.warm_up():
+        raise SystemExit("no packed-weight kernel on this CPU (AVX-512-BF16)")
     block_causal.warm_up()
 
     def take(side: str) -> None:
         if args.path == "step-graph":
             runner.step_graph = graph if side == "with" else None
-        else:
+        elif args.path == "row-blocks":
             runner.backend.block_causal = side == "with"
+        else:
+            packed_gemv.ENABLED = side == "with"
 
     served = runner.backend.block_causal
     run(engine, "lone prompt", vocab, seed=1)  # first-call costs out of the timing
     print(f"{args.path}, {args.dtype}, {args.threads} threads, {args.rounds} rounds; each round "
           f"runs every workload with and without it, alternating which goes first")
     seed = 100
-    for workload in args.workloads:
+    for workload in args.workloads or DEFAULT_WORKLOADS[args.path]:
         sides: dict[str, list[float]] = {"without": [], "with": []}
         for r in range(args.rounds):
             order = ("without", "with") if r % 2 == 0 else ("with", "without")
@@ -98,6 +109,7 @@ def main() -> None:
                 seed += 1
                 sides[side].append(run(engine, workload, vocab, seed))
         runner.step_graph, runner.backend.block_causal = graph, served
+        packed_gemv.ENABLED = True
         ratios = np.array(sides["with"]) / np.array(sides["without"])
         unit = "s" if workload == "lone prompt" else "tok/s"
         better = "lower is better" if workload == "lone prompt" else "higher is better"

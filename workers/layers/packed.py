@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..cpu_features import native_bf16
-from . import small_gemm
+from . import packed_gemv, small_gemm
 
 if TYPE_CHECKING:
     from ..config import ModelConfig, WorkerConfig
@@ -53,6 +53,17 @@ def pack_weight(weight: torch.Tensor, batch_hint: int) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), batch_hint)
 
 
+def packed_product(x: torch.Tensor, weight: torch.Tensor,
+                   bias: torch.Tensor | None) -> torch.Tensor:
+    """oneDNN's product, or for a few bf16 rows on a packed weight whose layout
+    `packed_gemv.register` checked, the kernel that reads it in place (packed_gemv.py)."""
+    if bias is None and x.dim() == 2 and x.shape[0] <= packed_gemv.MAX_ROWS:
+        block = packed_gemv.block_of(weight)
+        if block and x.dtype == torch.bfloat16 and x.shape[0] > 0:
+            return packed_gemv.run(x, weight, block)
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
 @torch.library.custom_op("raydix::onednn_linear", mutates_args=())
 def onednn_linear(x: torch.Tensor, weight: torch.Tensor,
                   bias: torch.Tensor | None) -> torch.Tensor:
@@ -60,7 +71,7 @@ def onednn_linear(x: torch.Tensor, weight: torch.Tensor,
     (inductor would call MKL's sgemm for `F.linear`, 1.4-2.7x slower on AMD CPUs at 4-64 rows)
     or on a packed one (the CPU decode graph's bf16 LM head): inductor lowers oneDNN's own
     operator only for weights it packed itself, as constants, and fails on a graph input."""
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return packed_product(x, weight, bias)
 
 
 @onednn_linear.register_fake
@@ -74,7 +85,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor | None, packed: torch.Tensor | 
     if packed is not None:
         if torch.compiler.is_compiling():
             return onednn_linear(x.contiguous(), packed, bias)
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+        return packed_product(x.contiguous(), packed, bias)
     if weight is None:
         raise RuntimeError("linear layer has neither a weight nor a packed weight")
     if torch.compiler.is_compiling() and x.dim() == 2 and x.shape[0] == 1:
@@ -115,6 +126,7 @@ def pack_linear_layers(model: nn.Module, batch_hint: int,
             continue
         if hasattr(module, "packed_weight") and isinstance(module.weight, torch.Tensor):
             module.packed_weight = pack_weight(module.weight, batch_hint)
+            packed_gemv.register(module.packed_weight, *module.weight.shape)
             module.register_parameter("weight", None)  # the packed weight is the only copy
             num_packed += 1
     logger.debug("packed %d linear weights for oneDNN (batch hint %d)", num_packed, batch_hint)

@@ -1,0 +1,105 @@
+"""Products of one or two rows with a packed bf16 weight, read in place (CPU, AVX-512-BF16).
+
+A decode step of one stream multiplies one row by every weight of the model: it reads each
+weight once and is bound by memory. oneDNN's product on its packed bf16 weight (packed.py) read
+SmolLM2-135M's 30 decoder layers at 6.6-11 GB/s on two cores of an AMX Xeon, which stream
+23 GB/s; `packed_gemv.c` reads the same packed weights, in oneDNN's own layout, with
+AVX-512-BF16's dot products of pairs: 14-16 GB/s, 0.45-0.66x the time, equal results within
+bf16's rounding (both sum in float32 and round once). At two rows 0.72x; at three 0.91x, at
+four 1.04x (oneDNN's tiles take several rows for the price of one), so from three rows on, and
+for batches and prompts, the product stays oneDNN's, on the same packed weight (still the only
+copy). Measured on 30 layers' weights (from memory, as a decode step reads them), two threads.
+
+The layout is oneDNN's choice, not a promise: `register` checks each packed weight, one
+product of random rows against oneDNN's, for each block size the kernel reads (32 and 64 output
+rows, what oneDNN picks for batch hints of 64 and 1 on AMX), and records the one that agrees;
+a weight none agrees with (another layout, another oneDNN) keeps oneDNN's product. The kernel is
+built at start (`warm_up`) where the CPU has AVX-512-BF16; elsewhere nothing changes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import weakref
+from pathlib import Path
+
+import torch
+
+from ..native_build import NativeBuildError, load
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("packed_gemv.c")
+MAX_ROWS = 2  # the kernel's (packed_gemv.c); more rows take oneDNN's product
+ENABLED = True  # False: every product takes oneDNN's (benchmarks/path_bench.py compares)
+BLOCKS = (32, 64)  # output rows of a block of oneDNN's AB16b<block>a2b layout
+
+_lib: ctypes.CDLL | None = None
+_failed: str | None = None
+# id of a packed weight -> the output block of its layout (weights no block agrees with are
+# absent); an entry leaves with its weight (`weakref.finalize`), before its id can be reused
+_blocks: dict[int, int] = {}
+
+
+def warm_up() -> bool:
+    """Build (or load) the kernel; False where the CPU has no AVX-512-BF16 or it cannot be
+    built (logged once)."""
+    global _lib, _failed
+    if _lib is not None:
+        return True
+    if _failed is not None:
+        return False
+    if not torch.cpu._is_avx512_bf16_supported():
+        _failed = "no AVX-512-BF16 on this CPU"
+        return False
+    argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4 + [ctypes.c_int]
+    try:
+        _lib = load(SOURCE, {}, {"packed_gemv_bf16": argtypes})
+    except (NativeBuildError, OSError) as exc:
+        _failed = str(exc)
+        logger.warning("bf16 products of a few rows stay with oneDNN: the packed-weight kernel "
+                       "could not be built: %s", exc)
+        return False
+    return True
+
+
+def register(packed: torch.Tensor, out_features: int, in_features: int) -> int:
+    """Check `packed` (oneDNN's packed bf16 weight of `[out_features, in_features]`) against
+    each block size the kernel reads; returns the one that agrees with oneDNN's own product,
+    recorded for `block_of`, or 0."""
+    if (packed.dtype != torch.bfloat16 or not packed.is_mkldnn or not warm_up()
+            or in_features % 32 or torch.ops.mkldnn._nbytes(packed) != 2 * out_features
+            * in_features):
+        return 0
+    x = torch.randn(MAX_ROWS, in_features, generator=torch.Generator().manual_seed(0)).to(
+        torch.bfloat16)
+    want = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "").float()
+    tolerance = 2 ** -7 * want.abs().amax().item()  # bf16's rounding of the largest output
+    for block in BLOCKS:
+        if out_features % block:
+            continue
+        got = run(x, packed, block).float()
+        if (got - want).abs().amax().item() <= tolerance:
+            _blocks[id(packed)] = block
+            weakref.finalize(packed, _blocks.pop, id(packed), None)
+            return block
+    return 0
+
+
+def block_of(packed: torch.Tensor) -> int:
+    """The output block `register` found for `packed`, or 0 (not registered, no block, or
+    `ENABLED` off)."""
+    return _blocks.get(id(packed), 0) if ENABLED else 0
+
+
+def run(x: torch.Tensor, packed: torch.Tensor, block: int) -> torch.Tensor:
+    """x [rows <= MAX_ROWS, in] bf16 times the packed weight [out, in]: [rows, out] bf16."""
+    assert _lib is not None
+    x = x.contiguous()
+    rows, in_features = x.shape
+    out_features = packed.shape[0]
+    y = torch.empty(rows, out_features, dtype=torch.bfloat16)
+    _lib.packed_gemv_bf16(x.data_ptr(), torch.ops.mkldnn.data_ptr(packed), y.data_ptr(), rows,
+                          out_features, in_features, block, torch.get_num_threads())
+    return y
