@@ -55,7 +55,7 @@ def pack_weight(weight: torch.Tensor, batch_hint: int) -> torch.Tensor:
 
 def packed_product(x: torch.Tensor, weight: torch.Tensor,
                    bias: torch.Tensor | None) -> torch.Tensor:
-    """oneDNN's product, or for a few bf16 rows on a packed weight whose layout
+    """oneDNN's product, or for one or two bf16 rows on a packed weight whose layout
     `packed_gemv.register` checked, the kernel that reads it in place (packed_gemv.py)."""
     if bias is None and x.dim() == 2 and x.shape[0] <= packed_gemv.MAX_ROWS:
         block = packed_gemv.block_of(weight)
@@ -64,19 +64,25 @@ def packed_product(x: torch.Tensor, weight: torch.Tensor,
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
-@torch.library.custom_op("raydix::onednn_linear", mutates_args=())
-def onednn_linear(x: torch.Tensor, weight: torch.Tensor,
-                  bias: torch.Tensor | None) -> torch.Tensor:
-    """oneDNN's product as one opaque operator for compiled graphs, on a plain fp32 weight
-    (inductor would call MKL's sgemm for `F.linear`, 1.4-2.7x slower on AMD CPUs at 4-64 rows)
-    or on a packed one (the CPU decode graph's bf16 LM head): inductor lowers oneDNN's own
-    operator only for weights it packed itself, as constants, and fails on a graph input."""
-    return packed_product(x, weight, bias)
+# oneDNN's product as one opaque operator for compiled graphs, on a plain fp32 weight (inductor
+# would call MKL's sgemm for `F.linear`, 1.4-2.7x slower on AMD CPUs at 4-64 rows) or on a
+# packed one (the CPU decode graph's bf16 LM head and, on AMX, its layers): inductor lowers
+# oneDNN's own operator only for weights it packed itself, as constants, and fails on a graph
+# input. Registered with torch.library's plain calls, not `custom_op`, whose wrappers cost
+# about 5 us a call (a one-row product of a 576x576 bf16 weight takes 30-50; a decode step
+# makes 121 of them).
+_LIBRARY = torch.library.Library("raydix", "FRAGMENT")
+_LIBRARY.define("onednn_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
+_LIBRARY.impl("onednn_linear", packed_product, "CompositeExplicitAutograd")
 
 
-@onednn_linear.register_fake
-def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _onednn_linear_fake(x: torch.Tensor, weight: torch.Tensor,
+                        bias: torch.Tensor | None) -> torch.Tensor:
     return x.new_empty(x.shape[0], weight.shape[0])
+
+
+torch.library.register_fake("raydix::onednn_linear", _onednn_linear_fake)
+onednn_linear = torch.ops.raydix.onednn_linear.default
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor | None, packed: torch.Tensor | None,

@@ -37,9 +37,10 @@ BLOCKS = (32, 64)  # output rows of a block of oneDNN's AB16b<block>a2b layout
 
 _lib: ctypes.CDLL | None = None
 _failed: str | None = None
-# id of a packed weight -> the output block of its layout (weights no block agrees with are
-# absent); an entry leaves with its weight (`weakref.finalize`), before its id can be reused
-_blocks: dict[int, int] = {}
+# id of a packed weight -> the output block of its layout and its data's address (weights no
+# block agrees with are absent); an entry leaves with its weight (`weakref.finalize`), before
+# its id can be reused
+_blocks: dict[int, tuple[int, int]] = {}
 
 
 def warm_up() -> bool:
@@ -81,7 +82,7 @@ def register(packed: torch.Tensor, out_features: int, in_features: int) -> int:
             continue
         got = run(x, packed, block).float()
         if (got - want).abs().amax().item() <= tolerance:
-            _blocks[id(packed)] = block
+            _blocks[id(packed)] = (block, torch.ops.mkldnn.data_ptr(packed))
             weakref.finalize(packed, _blocks.pop, id(packed), None)
             return block
     return 0
@@ -90,7 +91,8 @@ def register(packed: torch.Tensor, out_features: int, in_features: int) -> int:
 def block_of(packed: torch.Tensor) -> int:
     """The output block `register` found for `packed`, or 0 (not registered, no block, or
     `ENABLED` off)."""
-    return _blocks.get(id(packed), 0) if ENABLED else 0
+    entry = _blocks.get(id(packed))
+    return entry[0] if entry is not None and ENABLED else 0
 
 
 def run(x: torch.Tensor, packed: torch.Tensor, block: int) -> torch.Tensor:
@@ -100,6 +102,8 @@ def run(x: torch.Tensor, packed: torch.Tensor, block: int) -> torch.Tensor:
     rows, in_features = x.shape
     out_features = packed.shape[0]
     y = torch.empty(rows, out_features, dtype=torch.bfloat16)
-    _lib.packed_gemv_bf16(x.data_ptr(), torch.ops.mkldnn.data_ptr(packed), y.data_ptr(), rows,
-                          out_features, in_features, block, torch.get_num_threads())
+    entry = _blocks.get(id(packed))
+    address = entry[1] if entry is not None else torch.ops.mkldnn.data_ptr(packed)
+    _lib.packed_gemv_bf16(x.data_ptr(), address, y.data_ptr(), rows, out_features, in_features,
+                          block, torch.get_num_threads())
     return y
