@@ -28,6 +28,10 @@
 
 #include "native_math.h"
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #if !defined(HEAD_DIM) || !defined(GROUP)
 #error "HEAD_DIM and GROUP must be defined"
 #endif
@@ -105,6 +109,33 @@ INLINE void softmax_step(float *sc, int n, float *m, float *s, float *acc) {
   for (int d = 0; d < HEAD_DIM; d++) acc[d] *= alpha;
 }
 
+#if defined(__AVX512F__) && HEAD_DIM % 16 == 0 && BLOCK % 16 == 0
+#define LANE_SUMS 1
+/* the sums of 16 vectors' lanes, as one vector (lane i: the sum of v[i]'s 16 lanes): pairs of
+   vectors interleaved and added, then pairs of pairs, then 128-bit quarters exchanged and
+   added, 45 instructions where summing each vector alone takes about 8 a vector and a chain
+   of dependent steps. A request's own keys' scores so (`pass_keys`), on an AVX-512 Xeon, two
+   threads, bf16, the whole call against summing each dot product alone: 16 lone requests of
+   600 keys 0.92-0.93x the time, 64 of 300 0.90-0.91x, shared-prefix groups (their members'
+   own keys) 0.92-0.98x. */
+INLINE __m512 lane_sums16(const __m512 *v) {
+  __m512 a[8], b[4], c[2];
+  for (int i = 0; i < 8; i++)
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                         _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; i++) {
+    const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
+    b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  for (int i = 0; i < 2; i++)
+    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88),
+                       _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
+}
+#endif
+
 /* `nq` queries (scaled, float32) with their running maxima `m`, sums `s` and accumulators
    `acc` go on over the keys and values at `slots[0..n)` of KV head h */
 INLINE void pass_keys(const void *k_buf, const void *v_buf, const int64_t *slots, int64_t n_keys,
@@ -112,11 +143,33 @@ INLINE void pass_keys(const void *k_buf, const void *v_buf, const int64_t *slots
                       float (*acc)[HEAD_DIM], float *m, float *s, float (*sc)[BLOCK],
                       const int bf16) {
   float row[HEAD_DIM];
+#ifdef LANE_SUMS
+  __m512 part[GROUP][BLOCK]; /* nq <= GROUP here */
+#endif
   const int64_t row_bytes = HEAD_DIM * (bf16 ? 2 : 4);
   prefetch_first(k_buf, slots, n_keys, h, num_kv_heads, row_bytes);
   for (int64_t l0 = 0; l0 < n_keys; l0 += BLOCK) {
     const int n = (int)(n_keys - l0 < BLOCK ? n_keys - l0 : BLOCK);
     prefetch_block(k_buf, v_buf, slots, l0, n, n_keys, h, num_kv_heads, row_bytes);
+#ifdef LANE_SUMS
+    /* each key's products with each query in 16 lanes, then the lanes of 16 keys summed
+       together (lane_sums16): no sum across one vector's lanes per key and query */
+    for (int j = 0; j < n; j++) {
+      const float *key = row_at(row, k_buf, slots[l0 + j] * num_kv_heads + h, bf16);
+      __m512 kv[HEAD_DIM / 16];
+      for (int c = 0; c < HEAD_DIM / 16; c++) kv[c] = _mm512_loadu_ps(key + 16 * c);
+      for (int g = 0; g < nq; g++) {
+        __m512 p = _mm512_mul_ps(_mm512_loadu_ps(qf[g]), kv[0]);
+        for (int c = 1; c < HEAD_DIM / 16; c++)
+          p = _mm512_fmadd_ps(_mm512_loadu_ps(qf[g] + 16 * c), kv[c], p);
+        part[g][j] = p;
+      }
+    }
+    for (int j = n; j < BLOCK; j++) /* a last block's empty keys: sums never read */
+      for (int g = 0; g < nq; g++) part[g][j] = _mm512_setzero_ps();
+    for (int g = 0; g < nq; g++)
+      for (int j0 = 0; j0 < n; j0 += 16) _mm512_storeu_ps(sc[g] + j0, lane_sums16(part[g] + j0));
+#else
     for (int j = 0; j < n; j++) {
       const float *key = row_at(row, k_buf, slots[l0 + j] * num_kv_heads + h, bf16);
       for (int g = 0; g < nq; g++) {
@@ -126,6 +179,7 @@ INLINE void pass_keys(const void *k_buf, const void *v_buf, const int64_t *slots
         sc[g][j] = dot;
       }
     }
+#endif
     for (int g = 0; g < nq; g++) softmax_step(sc[g], n, &m[g], &s[g], acc[g]);
     for (int j = 0; j < n; j++) {
       const float *value = row_at(row, v_buf, slots[l0 + j] * num_kv_heads + h, bf16);
