@@ -40,11 +40,11 @@ def test_equals_onednn_and_a_float32_product(out_features: int, in_features: int
                                              batch_hint: int) -> None:
     weight = _bf16(out_features, in_features, seed=1)
     packed = pack_weight(weight, batch_hint)
-    assert packed_gemv.register(packed, out_features, in_features) in packed_gemv.BLOCKS
+    assert packed_gemv.register(packed) in packed_gemv.BLOCKS
     calls = []
-    real = packed_gemv.run
+    real = packed_gemv._run
     try:
-        packed_gemv.run = lambda *args: calls.append(args[0].shape[0]) or real(*args)  # type: ignore[assignment]
+        packed_gemv._run = lambda *args: calls.append(args[0].shape[0]) or real(*args)  # type: ignore[assignment]
         for rows in (1, 2, 3):
             x = _bf16(rows, in_features, seed=rows)
             got = packed_product(x, packed, None)
@@ -52,7 +52,7 @@ def test_equals_onednn_and_a_float32_product(out_features: int, in_features: int
             _close(got, torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""))
             _close(got, x.float() @ weight.float().T)
     finally:
-        packed_gemv.run = real  # type: ignore[assignment]
+        packed_gemv._run = real  # type: ignore[assignment]
     assert calls == [1, 2]  # three rows take oneDNN's product
 
 
@@ -60,19 +60,19 @@ def test_a_layout_it_does_not_read_stays_with_onednn(monkeypatch: pytest.MonkeyP
     weight = _bf16(960, 576, seed=2)
     x = _bf16(1, 576, seed=3)
     odd = pack_weight(_bf16(100, 64, seed=4), 64)  # outputs not a multiple of a block
-    assert packed_gemv.register(odd, 100, 64) == 0 and packed_gemv.block_of(odd) == 0
+    assert packed_gemv.register(odd) == 0 and packed_gemv.block_of(odd) == 0
     packed = pack_weight(weight, 64)
-    block = packed_gemv.register(pack_weight(weight, 64), 960, 576)
+    block = packed_gemv.register(pack_weight(weight, 64))
     # only the other block size on offer: its reading disagrees with oneDNN's, and is refused
     monkeypatch.setattr(packed_gemv, "BLOCKS", tuple(b for b in (32, 64) if b != block))
-    assert packed_gemv.register(packed, 960, 576) == 0 and packed_gemv.block_of(packed) == 0
+    assert packed_gemv.register(packed) == 0 and packed_gemv.block_of(packed) == 0
     want = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
     assert torch.equal(packed_product(x, packed, None), want)  # oneDNN's own
 
 
 def test_an_entry_leaves_with_its_weight() -> None:
     packed = pack_weight(_bf16(64, 64, seed=5), 64)
-    assert packed_gemv.register(packed, 64, 64)
+    assert packed_gemv.register(packed)
     key = id(packed)
     assert key in packed_gemv._blocks
     del packed
@@ -91,8 +91,8 @@ def test_one_stream_decodes_through_it_as_through_onednn(
     assert packed, "no packed bf16 weight in this runner"
     assert any(packed_gemv.block_of(p) for p in packed)
     calls = []
-    real = packed_gemv.run
-    monkeypatch.setattr(packed_gemv, "run", lambda *args: calls.append(1) or real(*args))
+    real = packed_gemv._run
+    monkeypatch.setattr(packed_gemv, "_run", lambda *args: calls.append(1) or real(*args))
 
     def decode(enabled: bool) -> tuple[list[int], np.ndarray]:
         """Greedy tokens of the first prompt, one stream, and the last step's logits."""

@@ -57,10 +57,9 @@ def packed_product(x: torch.Tensor, weight: torch.Tensor,
                    bias: torch.Tensor | None) -> torch.Tensor:
     """oneDNN's product, or for one or two bf16 rows on a packed weight whose layout
     `packed_gemv.register` checked, the kernel that reads it in place (packed_gemv.py)."""
-    if bias is None and x.dim() == 2 and x.shape[0] <= packed_gemv.MAX_ROWS:
-        block = packed_gemv.block_of(weight)
-        if block and x.dtype == torch.bfloat16 and x.shape[0] > 0:
-            return packed_gemv.run(x, weight, block)
+    y = packed_gemv.product(x, weight) if bias is None else None
+    if y is not None:
+        return y
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
@@ -132,7 +131,7 @@ def pack_linear_layers(model: nn.Module, batch_hint: int,
             continue
         if hasattr(module, "packed_weight") and isinstance(module.weight, torch.Tensor):
             module.packed_weight = pack_weight(module.weight, batch_hint)
-            packed_gemv.register(module.packed_weight, *module.weight.shape)
+            packed_gemv.register(module.packed_weight)
             module.register_parameter("weight", None)  # the packed weight is the only copy
             num_packed += 1
     logger.debug("packed %d linear weights for oneDNN (batch hint %d)", num_packed, batch_hint)

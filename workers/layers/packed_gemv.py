@@ -65,13 +65,14 @@ def warm_up() -> bool:
     return True
 
 
-def register(packed: torch.Tensor, out_features: int, in_features: int) -> int:
-    """Check `packed` (oneDNN's packed bf16 weight of `[out_features, in_features]`) against
-    each block size the kernel reads; returns the one that agrees with oneDNN's own product,
-    recorded for `block_of`, or 0."""
-    if (packed.dtype != torch.bfloat16 or not packed.is_mkldnn or not warm_up()
-            or in_features % 32 or torch.ops.mkldnn._nbytes(packed) != 2 * out_features
-            * in_features):
+def register(packed: torch.Tensor) -> int:
+    """Check `packed` (oneDNN's packed bf16 weight, `[out, in]`) against each block size the
+    kernel reads; returns the one that agrees with oneDNN's own product, recorded for
+    `product`, or 0."""
+    if packed.dtype != torch.bfloat16 or not packed.is_mkldnn or not warm_up():
+        return 0
+    out_features, in_features = packed.shape
+    if in_features % 32 or torch.ops.mkldnn._nbytes(packed) != 2 * out_features * in_features:
         return 0
     x = torch.randn(MAX_ROWS, in_features, generator=torch.Generator().manual_seed(0)).to(
         torch.bfloat16)
@@ -80,30 +81,37 @@ def register(packed: torch.Tensor, out_features: int, in_features: int) -> int:
     for block in BLOCKS:
         if out_features % block:
             continue
-        got = run(x, packed, block).float()
+        address = torch.ops.mkldnn.data_ptr(packed)
+        got = _run(x, packed, block, address).float()
         if (got - want).abs().amax().item() <= tolerance:
-            _blocks[id(packed)] = (block, torch.ops.mkldnn.data_ptr(packed))
+            _blocks[id(packed)] = (block, address)
             weakref.finalize(packed, _blocks.pop, id(packed), None)
             return block
     return 0
 
 
 def block_of(packed: torch.Tensor) -> int:
-    """The output block `register` found for `packed`, or 0 (not registered, no block, or
-    `ENABLED` off)."""
+    """The output block `register` found for `packed`, or 0 (not registered, or no block)."""
     entry = _blocks.get(id(packed))
-    return entry[0] if entry is not None and ENABLED else 0
+    return entry[0] if entry is not None else 0
 
 
-def run(x: torch.Tensor, packed: torch.Tensor, block: int) -> torch.Tensor:
-    """x [rows <= MAX_ROWS, in] bf16 times the packed weight [out, in]: [rows, out] bf16."""
+def product(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor | None:
+    """`x` [rows, in] times the packed weight [out, in] through the kernel, [rows, out] bf16;
+    None where the kernel does not take them (a weight `register` did not record, more than
+    `MAX_ROWS` rows, not bf16, `ENABLED` off): oneDNN's product then."""
+    entry = _blocks.get(id(packed)) if ENABLED else None
+    if (entry is None or x.dim() != 2 or not 0 < x.shape[0] <= MAX_ROWS
+            or x.dtype != torch.bfloat16):
+        return None
+    return _run(x, packed, *entry)
+
+
+def _run(x: torch.Tensor, packed: torch.Tensor, block: int, address: int) -> torch.Tensor:
     assert _lib is not None
     x = x.contiguous()
     rows, in_features = x.shape
-    out_features = packed.shape[0]
-    y = torch.empty(rows, out_features, dtype=torch.bfloat16)
-    entry = _blocks.get(id(packed))
-    address = entry[1] if entry is not None else torch.ops.mkldnn.data_ptr(packed)
-    _lib.packed_gemv_bf16(x.data_ptr(), address, y.data_ptr(), rows, out_features, in_features,
-                          block, torch.get_num_threads())
+    y = torch.empty(rows, packed.shape[0], dtype=torch.bfloat16)
+    _lib.packed_gemv_bf16(x.data_ptr(), address, y.data_ptr(), rows, packed.shape[0],
+                          in_features, block, torch.get_num_threads())
     return y
