@@ -140,10 +140,12 @@ class AppConfig(BaseModel):
     stream_interval: int = Field(1, ge=1, description="a stream's tokens go out every N tokens (the "
                                  "first and the last at once): fewer messages per token")
     chunked_prefill_size: int | None = Field(
-        None, ge=1, description="prompt chunk per step; default: 2048 on CUDA, 512 on CPU"
+        None, ge=1, description="prompt chunk per step; default: 2048 on CUDA and on CPUs "
+        "with AMX tiles (dtype auto or bfloat16), else 512 on CPU"
     )
     max_prefill_tokens: int | None = Field(
-        None, ge=1, description="new prompt tokens per step; default: 8192 on CUDA, 512 on CPU"
+        None, ge=1, description="new prompt tokens per step; default: 8192 on CUDA, 2048 on CPUs "
+        "with AMX tiles (dtype auto or bfloat16), else 512 on CPU"
     )
     schedule_policy: Literal["fcfs", "lpm", "priority"] = Field(
         "fcfs", description="order of waiting requests"

@@ -8,6 +8,7 @@ from __future__ import annotations
 from raydix.engine.config import EngineConfig, SchedulerConfig
 from raydix.router.policy import RoutingPolicyConfig
 from raydix.workers.config import ModelConfig, WorkerConfig
+from raydix.workers.cpu_features import amx_tiles
 
 from .config import AppConfig
 
@@ -35,8 +36,20 @@ def routing_policy(config: AppConfig) -> RoutingPolicyConfig | None:
 
 # (max_prefill_tokens, chunked_prefill_size) by device. A step's prompt tokens stall every
 # running stream until the step ends: 8,192 take tens of milliseconds on a GPU but seconds on a
-# CPU, so there a step takes 512 (about a second); `benchmarks/step_budget_bench.py` measures it.
-STEP_BUDGETS = {"cuda": (8192, 2048), "cpu": (512, 512)}
+# CPU, so there a step takes at most about a second: 512 tokens of the default model in fp32,
+# 2,048 in bf16 on AMX tiles (`benchmarks/step_budget_bench.py` measures it)
+STEP_BUDGETS = {"cuda": (8192, 2048), "cpu": (512, 512), "cpu-amx": (2048, 2048)}
+
+
+def step_budget(config: AppConfig, device: str) -> tuple[int, int]:
+    """The default (max_prefill_tokens, chunked_prefill_size): `STEP_BUDGETS` for the device;
+    on a CPU with AMX tiles (read here, where the app is built) and a dtype that may be bf16,
+    the larger CPU budget."""
+    if device.startswith("cuda"):
+        return STEP_BUDGETS["cuda"]
+    if config.dtype in ("auto", "bfloat16") and amx_tiles():
+        return STEP_BUDGETS["cpu-amx"]
+    return STEP_BUDGETS["cpu"]
 
 
 def attention_backend(config: AppConfig, device: str) -> str:
@@ -75,7 +88,7 @@ def engine_config(config: AppConfig, model_path: str, device: str) -> EngineConf
     """The one translation from app settings to the engine's frozen config."""
     model = ModelConfig.from_folder(model_path)
     max_context_len = config.max_context_len or min(model.max_position_embeddings, 8192)
-    default_prefill, default_chunk = STEP_BUDGETS["cuda" if device.startswith("cuda") else "cpu"]
+    default_prefill, default_chunk = step_budget(config, device)
     backend, graphs = attention_backend(config, device), use_cuda_graph(config, device)
     if model.mla is not None and backend != "torch":  # latent attention: torch backend only
         if config.attention_backend != "auto":

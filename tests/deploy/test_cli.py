@@ -13,6 +13,7 @@ from pathlib import Path
 import openai
 import pytest
 
+from raydix.deploy import engine_settings
 from raydix.deploy.cli import build_parser, load_config, local_cpus_needed, main
 from raydix.deploy.config import AppConfig, AutoscalingSettings
 from raydix.deploy.cpu_threads import default_cpu_threads
@@ -133,13 +134,24 @@ def test_engine_config_from_app_config(smollm2: Path) -> None:
     assert engine.worker.cpu_decode_graph and engine.worker.cpu_compiled_attention  # defaults
     off = engine_config(parse("--model", str(smollm2), *UNCOMPILED_FLAGS), str(smollm2), "cpu")
     assert not (off.worker.cpu_decode_graph or off.worker.cpu_compiled_attention)
-    assert engine.scheduler.max_prefill_tokens == 512  # the CPU default
-    # the step budget's default follows the device: a CPU step of 8,192 prompt tokens lasts
-    # seconds, a GPU's tens of milliseconds
-    plain = AppConfig(model=str(smollm2))
-    assert engine_config(plain, str(smollm2), "cpu").scheduler.max_prefill_tokens == 512
-    cuda = engine_config(plain, str(smollm2), "cuda").scheduler
-    assert (cuda.max_prefill_tokens, cuda.chunked_prefill_size) == (8192, 2048)
+
+def test_the_step_budget_follows_the_device(smollm2: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CPU step of 8,192 prompt tokens lasts seconds, a GPU's tens of milliseconds; on CPU
+    a step takes about a second at most: 512 tokens, or 2,048 where bf16 runs on AMX tiles."""
+    plain, fp32 = AppConfig(model=str(smollm2)), AppConfig(model=str(smollm2), dtype="float32")
+
+    def budget(app: AppConfig, device: str) -> tuple[int, int]:
+        scheduler = engine_config(app, str(smollm2), device).scheduler
+        return scheduler.max_prefill_tokens, scheduler.chunked_prefill_size
+
+    for amx in (False, True):
+        monkeypatch.setattr(engine_settings, "amx_tiles", lambda amx=amx: amx)
+        assert budget(plain, "cpu") == ((2048, 2048) if amx else (512, 512))
+        assert budget(fp32, "cpu") == (512, 512)  # fp32 computes a 2,048-token step for seconds
+        assert budget(plain, "cuda") == (8192, 2048)
+    explicit = AppConfig(model=str(smollm2), max_prefill_tokens=1024, chunked_prefill_size=256)
+    assert budget(explicit, "cpu") == (1024, 256)  # the flags win
 
 
 @pytest.mark.parametrize(("argv", "named"), [
