@@ -8,8 +8,8 @@ with / without (TTFT: lower is better). The paths (`--path`):
   (the runner's `step_graph` set or cleared);
 - `row-blocks`: bf16 extend attention as row blocks of products (workers/attention/
   block_causal.py) or torch's flash kernel (the backend's `block_causal` set or cleared);
-- `packed-gemv`: bf16 products of one to four rows on the packed weights read in place
-  (workers/layers/packed_gemv.py) or by oneDNN (`packed_gemv.ENABLED`).
+- `packed-gemv`: bf16 products of a few rows (1-32 with AMX tiles, else 1-2) on the packed
+  weights read in place (workers/layers/packed_gemv.py) or by oneDNN (`packed_gemv.ENABLED`).
 
 On a machine whose pace moves between processes and hours (this project's 2-core VMs: a third
 and more), runs in one process alternated side by side compare the two paths more steadily
@@ -45,7 +45,7 @@ WORKLOADS = ("one stream", "four streams", "lone prompt", "shared prefix", "mixe
 PATHS = ("step-graph", "row-blocks", "packed-gemv")
 DEFAULT_WORKLOADS = {"step-graph": ("lone prompt", "shared prefix", "mixed"),
                      "row-blocks": ("lone prompt", "shared prefix", "mixed"),
-                     "packed-gemv": ("one stream", "four streams", "mixed")}
+                     "packed-gemv": ("one stream", "four streams", "shared prefix", "mixed")}
 
 
 def run(engine: Engine, workload: str, vocab: int, seed: int) -> float:

@@ -1,7 +1,9 @@
-/* Products of one or two rows with a bf16 weight in oneDNN's packed layout (packed.py),
-   read in place: y[m, o] = sum_i x[m, i] W[o, i], bf16 in and out, float32 sums, rounded once
-   (to nearest even, as oneDNN rounds). Built by workers/native_build.py, called with ctypes
-   (packed_gemv.py).
+/* Products of a few rows with a bf16 weight in oneDNN's packed layout (packed.py), read in
+   place: y[m, o] = sum_i x[m, i] W[o, i], bf16 in and out, float32 sums, rounded once (to
+   nearest even, as oneDNN rounds). Built by workers/native_build.py, called with ctypes
+   (packed_gemv.py). Two kernels: one or two rows with AVX-512-BF16's dot products of pairs
+   (`packed_gemv_bf16`), and, where the CPU has AMX tiles, up to a few dozen rows on the tiles
+   (`packed_amx_bf16`).
 
    oneDNN packs a bf16 weight [out, in] for its AMX products as AB16b<BA>a2b: blocks of BA output
    rows (32 or 64, by the batch hint) by 32 inputs, the blocks of one output block consecutive;
@@ -13,6 +15,9 @@
 
 #include <immintrin.h>
 #include <stdint.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #if !defined(__AVX512BF16__) || !defined(__AVX512F__)
 #error "the packed bf16 products need AVX-512-BF16"
@@ -62,3 +67,98 @@ void packed_gemv_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t
     }
   }
 }
+
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+/* The tiles. A block of 32 inputs of the packed weight is, for each 16 outputs, a tile of 16
+   rows (the pairs of inputs) by 64 bytes (16 outputs' pairs), its rows 4 * block bytes apart:
+   the B operand of the tiles' bf16 product as it lies in memory. x's rows, 32 inputs each, are
+   the A operand, and each 16 outputs' sums one C tile of up to 16 rows. A block of 64 outputs
+   takes four C tiles (0-3), x one (4), the weight three in turn (5-7). The tiles' product is
+   far faster than memory: the kernel reads the weight once per 16 rows, at the speed one row
+   does (AVX-512-BF16's dot products are bound by their own speed from three rows on). */
+
+typedef struct {
+  uint8_t palette_id, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+} tile_config;
+
+/* Linux hands a process the tiles' state only once asked (ARCH_REQ_XCOMP_PERM for
+   XFEATURE_XTILEDATA); 0 when granted. oneDNN asks too; asking again is harmless. */
+int packed_amx_request(void) { return (int)syscall(SYS_arch_prctl, 0x1023, 18); }
+
+static void configure(int rows) {
+  tile_config cfg;
+  memset(&cfg, 0, sizeof cfg);
+  cfg.palette_id = 1;
+  for (int t = 0; t < 5; t++) {  /* C0-C3 and x: `rows` rows of 64 bytes */
+    cfg.rows[t] = (uint8_t)rows;
+    cfg.colsb[t] = 64;
+  }
+  for (int t = 5; t < 8; t++) {  /* the weight: 16 pairs of inputs by 16 outputs */
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+/* r <= 16 rows (tiles configured for r) of one output block `blk`, into y (its first output) */
+static inline void tile_group(const uint16_t *x, const uint16_t *blk, uint16_t *y, float *c,
+                              int64_t r, int64_t oc, int64_t ic, int64_t block) {
+  const int64_t stride = 4 * block;
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t ib = 0; ib < ic / 32; ib++) {
+    const uint16_t *wb = blk + ib * 32 * block;
+    _tile_loadd(4, x + ib * 32, ic * 2);
+    _tile_loadd(5, wb, stride);
+    _tile_loadd(6, wb + 32, stride);
+    _tile_dpbf16ps(0, 4, 5);
+    _tile_dpbf16ps(1, 4, 6);
+    if (block == 64) {
+      _tile_loadd(7, wb + 64, stride);
+      _tile_loadd(5, wb + 96, stride);
+      _tile_dpbf16ps(2, 4, 7);
+      _tile_dpbf16ps(3, 4, 5);
+    }
+  }
+  _tile_stored(0, c, block * 4);
+  _tile_stored(1, c + 16, block * 4);
+  if (block == 64) {
+    _tile_stored(2, c + 32, block * 4);
+    _tile_stored(3, c + 48, block * 4);
+  }
+  for (int64_t m = 0; m < r; m++)
+    for (int64_t j = 0; j < block; j += 16)
+      _mm256_storeu_si256((__m256i *)(y + m * oc + j),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(c + m * block + j)));
+}
+
+/* as packed_gemv_bf16, any number of rows (16 at a time); the caller has the tiles granted
+   (packed_amx_request) */
+void packed_amx_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t rows,
+                     int64_t oc, int64_t ic, int64_t block, int threads) {
+  const int64_t nob = oc / block, nib = ic / 32;
+#pragma omp parallel num_threads(threads)
+  {
+    float c[16 * 64] __attribute__((aligned(64)));
+    int configured = 0;
+#pragma omp for schedule(static)
+    for (int64_t ob = 0; ob < nob; ob++) {
+      const uint16_t *blk = w + ob * nib * 32 * block;
+      for (int64_t m0 = 0; m0 < rows; m0 += 16) {
+        const int r = rows - m0 < 16 ? (int)(rows - m0) : 16;
+        if (r != configured) {
+          configure(r);
+          configured = r;
+        }
+        tile_group(x + m0 * ic, blk, y + m0 * oc + ob * block, c, r, oc, ic, block);
+      }
+    }
+    if (configured) _tile_release();
+  }
+}
+#endif

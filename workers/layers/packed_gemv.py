@@ -1,20 +1,28 @@
-"""Products of one or two rows with a packed bf16 weight, read in place (CPU, AVX-512-BF16).
+"""Products of a few rows with a packed bf16 weight, read in place (CPU, AVX-512-BF16, AMX).
 
-A decode step of one stream multiplies one row by every weight of the model: it reads each
-weight once and is bound by memory. oneDNN's product on its packed bf16 weight (packed.py) read
-SmolLM2-135M's 30 decoder layers at 6.6-11 GB/s on two cores of an AMX Xeon, which stream
-23 GB/s; `packed_gemv.c` reads the same packed weights, in oneDNN's own layout, with
-AVX-512-BF16's dot products of pairs: 14-16 GB/s, 0.45-0.66x the time, equal results within
-bf16's rounding (both sum in float32 and round once). At two rows 0.72x; at three 0.91x, at
-four 1.04x (oneDNN's tiles take several rows for the price of one), so from three rows on, and
-for batches and prompts, the product stays oneDNN's, on the same packed weight (still the only
-copy). Measured on 30 layers' weights (from memory, as a decode step reads them), two threads.
+A decode step multiplies a few rows (one per running stream) by every weight of the model: it
+reads each weight once and is bound by memory. oneDNN's product on its packed bf16 weight
+(packed.py) read SmolLM2-135M's 30 decoder layers at 6.6-11 GB/s on two cores of an AMX Xeon,
+which stream 23 GB/s, whatever the rows from 1 to 32. `packed_gemv.c` reads the same packed
+weights, in oneDNN's own layout, in place:
+
+- where the CPU has AMX tiles, on the tiles, 1 to `MAX_TILE_ROWS` rows (16 at a time: one read
+  of the weight for 16 rows): 0.56-0.77x oneDNN's time from 1 to 32 rows, 0.91x at 48, 1.02x
+  at 64 (so 32 at most);
+- elsewhere with AVX-512-BF16's dot products of pairs, one or two rows (`MAX_ROWS`): 0.45-0.66x
+  at one row, 0.72x at two; from three rows on the dot products, not memory, bound it (0.79-0.91x
+  at three and four, 1.04x at eight, 1.5x at sixteen).
+
+Equal results within bf16's rounding (both sum in float32 and round once). More rows, and
+prompts, keep oneDNN's product on the same packed weight (still the only copy). Measured on 30
+layers' weights (from memory, as a decode step reads them), two threads.
 
 The layout is oneDNN's choice, not a promise: `register` checks each packed weight, one
-product of random rows against oneDNN's, for each block size the kernel reads (32 and 64 output
+product of random rows against oneDNN's for each block size the kernels read (32 and 64 output
 rows, what oneDNN picks for batch hints of 64 and 1 on AMX), and records the one that agrees;
-a weight none agrees with (another layout, another oneDNN) keeps oneDNN's product. The kernel is
-built at start (`warm_up`) where the CPU has AVX-512-BF16; elsewhere nothing changes.
+a weight none agrees with (another layout, another oneDNN) keeps oneDNN's product. The kernels
+are built at start (`warm_up`) where the CPU has AVX-512-BF16, the tiles' one where it has AMX
+and Linux grants the process the tiles; elsewhere nothing changes.
 """
 
 from __future__ import annotations
@@ -26,17 +34,20 @@ from pathlib import Path
 
 import torch
 
+from ..cpu_features import amx_tiles
 from ..native_build import NativeBuildError, load
 
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("packed_gemv.c")
-MAX_ROWS = 2  # the kernel's (packed_gemv.c); more rows take oneDNN's product
+MAX_ROWS = 2  # the dot-product kernel's (packed_gemv.c); more rows take oneDNN's product
+MAX_TILE_ROWS = 32  # the tiles' kernel's
 ENABLED = True  # False: every product takes oneDNN's (benchmarks/path_bench.py compares)
 BLOCKS = (32, 64)  # output rows of a block of oneDNN's AB16b<block>a2b layout
 
 _lib: ctypes.CDLL | None = None
 _failed: str | None = None
+_tiles = False  # the tiles' kernel is built and Linux granted the tiles
 # id of a packed weight -> the output block of its layout and its data's address (weights no
 # block agrees with are absent); an entry leaves with its weight (`weakref.finalize`), before
 # its id can be reused
@@ -44,9 +55,9 @@ _blocks: dict[int, tuple[int, int]] = {}
 
 
 def warm_up() -> bool:
-    """Build (or load) the kernel; False where the CPU has no AVX-512-BF16 or it cannot be
+    """Build (or load) the kernels; False where the CPU has no AVX-512-BF16 or they cannot be
     built (logged once)."""
-    global _lib, _failed
+    global _lib, _failed, _tiles
     if _lib is not None:
         return True
     if _failed is not None:
@@ -54,15 +65,40 @@ def warm_up() -> bool:
     if not torch.cpu._is_avx512_bf16_supported():
         _failed = "no AVX-512-BF16 on this CPU"
         return False
-    argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4 + [ctypes.c_int]
+    argtypes: list[type] = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4 + [ctypes.c_int]
     try:
-        _lib = load(SOURCE, {}, {"packed_gemv_bf16": argtypes})
+        lib = load(SOURCE, {}, {"packed_gemv_bf16": argtypes})
     except (NativeBuildError, OSError) as exc:
         _failed = str(exc)
         logger.warning("bf16 products of a few rows stay with oneDNN: the packed-weight kernel "
                        "could not be built: %s", exc)
         return False
+    _lib, _tiles = lib, amx_tiles() and _grant_tiles(lib, argtypes)
     return True
+
+
+def _grant_tiles(lib: ctypes.CDLL, argtypes: list[type]) -> bool:
+    """The tiles' kernel is in `lib` (the compiler knew AMX) and Linux grants the tiles."""
+    kernel, request = (getattr(lib, name, None) for name in ("packed_amx_bf16",
+                                                             "packed_amx_request"))
+    if kernel is None or request is None:
+        logger.warning("the C compiler built no AMX kernel: bf16 products of 3-%d rows stay "
+                       "with oneDNN", MAX_TILE_ROWS)
+        return False
+    kernel.argtypes, kernel.restype = argtypes, None
+    request.argtypes, request.restype = [], ctypes.c_int
+    if request() != 0:
+        logger.warning("Linux did not grant this process the AMX tiles: bf16 products of 3-%d "
+                       "rows stay with oneDNN", MAX_TILE_ROWS)
+        return False
+    return True
+
+
+def max_rows() -> int:
+    """The most rows the kernels take here (0 before `warm_up` or without them)."""
+    if _lib is None:
+        return 0
+    return MAX_TILE_ROWS if _tiles else MAX_ROWS
 
 
 def register(packed: torch.Tensor) -> int:
@@ -74,8 +110,9 @@ def register(packed: torch.Tensor) -> int:
     out_features, in_features = packed.shape
     if in_features % 32 or torch.ops.mkldnn._nbytes(packed) != 2 * out_features * in_features:
         return 0
-    x = torch.randn(MAX_ROWS, in_features, generator=torch.Generator().manual_seed(0)).to(
-        torch.bfloat16)
+    # the rows the kernel here takes, with the tiles a full group of 16 and a partial one
+    x = torch.randn(min(max_rows(), 19), in_features,
+                    generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     want = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "").float()
     tolerance = 2 ** -7 * want.abs().amax().item()  # bf16's rounding of the largest output
     for block in BLOCKS:
@@ -97,11 +134,11 @@ def block_of(packed: torch.Tensor) -> int:
 
 
 def product(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor | None:
-    """`x` [rows, in] times the packed weight [out, in] through the kernel, [rows, out] bf16;
-    None where the kernel does not take them (a weight `register` did not record, more than
-    `MAX_ROWS` rows, not bf16, `ENABLED` off): oneDNN's product then."""
+    """`x` [rows, in] times the packed weight [out, in] through a kernel, [rows, out] bf16;
+    None where the kernels do not take them (a weight `register` did not record, more than
+    `max_rows()` rows, not bf16, `ENABLED` off): oneDNN's product then."""
     entry = _blocks.get(id(packed)) if ENABLED else None
-    if (entry is None or x.dim() != 2 or not 0 < x.shape[0] <= MAX_ROWS
+    if (entry is None or x.dim() != 2 or not 0 < x.shape[0] <= max_rows()
             or x.dtype != torch.bfloat16):
         return None
     return _run(x, packed, *entry)
@@ -112,6 +149,7 @@ def _run(x: torch.Tensor, packed: torch.Tensor, block: int, address: int) -> tor
     x = x.contiguous()
     rows, in_features = x.shape
     y = torch.empty(rows, packed.shape[0], dtype=torch.bfloat16)
-    _lib.packed_gemv_bf16(x.data_ptr(), address, y.data_ptr(), rows, packed.shape[0],
-                          in_features, block, torch.get_num_threads())
+    kernel = _lib.packed_amx_bf16 if _tiles else _lib.packed_gemv_bf16
+    kernel(x.data_ptr(), address, y.data_ptr(), rows, packed.shape[0], in_features, block,
+           torch.get_num_threads())
     return y
