@@ -16,8 +16,6 @@
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #if !defined(__AVX512BF16__) || !defined(__AVX512F__)
 #error "the packed bf16 products need AVX-512-BF16"
@@ -84,10 +82,6 @@ typedef struct {
   uint8_t rows[16];
 } tile_config;
 
-/* Linux hands a process the tiles' state only once asked (ARCH_REQ_XCOMP_PERM for
-   XFEATURE_XTILEDATA); 0 when granted. oneDNN asks too; asking again is harmless. */
-int packed_amx_request(void) { return (int)syscall(SYS_arch_prctl, 0x1023, 18); }
-
 static void configure(int rows) {
   tile_config cfg;
   memset(&cfg, 0, sizeof cfg);
@@ -138,7 +132,7 @@ static inline void tile_group(const uint16_t *x, const uint16_t *blk, uint16_t *
 }
 
 /* as packed_gemv_bf16, any number of rows (16 at a time); the caller has the tiles granted
-   (packed_amx_request) */
+   (cpu_features.amx_granted) */
 void packed_amx_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t rows,
                      int64_t oc, int64_t ic, int64_t block, int threads) {
   const int64_t nob = oc / block, nib = ic / 32;

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from ..cpu_features import amx_tiles
+from ..cpu_features import amx_granted
 from ..native_build import NativeBuildError, load
 
 logger = logging.getLogger(__name__)
@@ -73,24 +73,18 @@ def warm_up() -> bool:
         logger.warning("bf16 products of a few rows stay with oneDNN: the packed-weight kernel "
                        "could not be built: %s", exc)
         return False
-    _lib, _tiles = lib, amx_tiles() and _grant_tiles(lib, argtypes)
+    _lib, _tiles = lib, amx_granted() and _tile_kernel(lib, argtypes)
     return True
 
 
-def _grant_tiles(lib: ctypes.CDLL, argtypes: list[type]) -> bool:
-    """The tiles' kernel is in `lib` (the compiler knew AMX) and Linux grants the tiles."""
-    kernel, request = (getattr(lib, name, None) for name in ("packed_amx_bf16",
-                                                             "packed_amx_request"))
-    if kernel is None or request is None:
+def _tile_kernel(lib: ctypes.CDLL, argtypes: list[type]) -> bool:
+    """The tiles' kernel is in `lib` (the C compiler knew AMX)."""
+    kernel = getattr(lib, "packed_amx_bf16", None)
+    if kernel is None:
         logger.warning("the C compiler built no AMX kernel: bf16 products of 3-%d rows stay "
                        "with oneDNN", MAX_TILE_ROWS)
         return False
     kernel.argtypes, kernel.restype = argtypes, None
-    request.argtypes, request.restype = [], ctypes.c_int
-    if request() != 0:
-        logger.warning("Linux did not grant this process the AMX tiles: bf16 products of 3-%d "
-                       "rows stay with oneDNN", MAX_TILE_ROWS)
-        return False
     return True
 
 

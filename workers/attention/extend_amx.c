@@ -1,0 +1,282 @@
+/* Causal attention of a request's new tokens (a prompt or a chunk of one, after `prefix` keys
+   already in the cache) in bf16 on AMX tiles: out = softmax(q k^T * scale, causal) v, float32
+   scores and sums, the weights rounded to bf16 for their product with v (as torch's flash
+   kernel does). Built by workers/native_build.py, called with ctypes (extend_amx.py).
+
+   q [n, hq, d] and out [n, hq, d]; k and v [hk, L, d] (L = prefix + n), head h of the queries
+   reads head h / (hq / hk) of the keys. Each task is 16 query rows of one head (the last rows
+   of the prompt first: they see the most keys): their scores against 16 keys at a time are one
+   tile product per 32 dims, the rows' softmax runs on the 16 x (up to) 512 scores in memory,
+   and the weights times the values accumulate in four tiles of 16 dims each. Keys come in
+   chunks of 512: the running maximum and sum rescale the sums between chunks (online softmax).
+
+   The tiles read their second operand as pairs of rows side by side (the "VNNI" layout), so k
+   and v are rearranged once per call, per key head: k as 16-key blocks of dim pairs (kt), v as
+   key pairs of dims (vt), both padded with zero keys to a multiple of 32. */
+
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "native_math.h"
+
+#if !defined(__AMX_TILE__) || !defined(__AMX_BF16__) || !defined(__AVX512BF16__)
+#error "the tiles' attention needs AMX-BF16"
+#endif
+
+#define QB 16  /* query rows a task */
+#define KC 512 /* keys a chunk */
+#define LOWEST -1e30f /* a maximum before any score (finite: built with finite math) */
+
+typedef struct {
+  uint8_t palette_id, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+} tile_config;
+
+/* every tile 16 rows of 64 bytes: 16 x 16 float sums, 16 x 32 bf16 operands */
+static void configure(void) {
+  tile_config cfg;
+  memset(&cfg, 0, sizeof cfg);
+  cfg.palette_id = 1;
+  for (int t = 0; t < 8; t++) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+/* kt[(j * d/2 + p) * 16 + key] (32-bit pairs) = k[j * 16 + key][2p, 2p + 1]; zero past L */
+static void pack_k(const uint16_t *k, int64_t L, int64_t lp, int64_t d, uint32_t *kt) {
+  const int64_t pairs = d / 2;
+  for (int64_t j = 0; j < lp / 16; j++)
+    for (int64_t key = 0; key < 16; key++) {
+      const int64_t row = j * 16 + key;
+      const uint32_t *src = (const uint32_t *)(k + row * d);
+      for (int64_t p = 0; p < pairs; p++)
+        kt[(j * pairs + p) * 16 + key] = row < L ? src[p] : 0u;
+    }
+}
+
+/* vt[(kp * d + c) * 2 + e] = v[2 kp + e][c]; zero past L */
+static void pack_v(const uint16_t *v, int64_t L, int64_t lp, int64_t d, uint16_t *vt) {
+  for (int64_t kp = 0; kp < lp / 2; kp++) {
+    const int64_t r0 = 2 * kp, r1 = 2 * kp + 1;
+    for (int64_t c = 0; c < d; c++) {
+      vt[(kp * d + c) * 2] = r0 < L ? v[r0 * d + c] : 0;
+      vt[(kp * d + c) * 2 + 1] = r1 < L ? v[r1 * d + c] : 0;
+    }
+  }
+}
+
+/* the scores of 16 query rows (qpad) against keys c0 .. c0 + cnp of kt, each 16 keys' tile
+   stored whole: s[(j * 16 + row) * 16 + key] for key block j. The query's tiles stay loaded;
+   64 dims take 64 keys a round (four sums in flight), 128 dims 32 keys. */
+static void scores(const uint16_t *qpad, const uint32_t *kt, int64_t c0, int64_t cnp, int64_t d,
+                   float *s) {
+  const uint32_t *kc = kt + (c0 / 16) * (d / 2) * 16; /* the chunk's first key block */
+  if (d == 64) {
+    _tile_loadd(4, qpad, 128);
+    _tile_loadd(5, qpad + 32, 128);
+    for (int64_t j = 0; j < cnp / 16; j += 4) {
+      const uint32_t *kb = kc + j * 32 * 16; /* block j + b, dims 32 db on: kb + (b * 32 + db * 16) * 16 */
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      _tile_loadd(6, kb, 64);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_loadd(7, kb + 32 * 16, 64);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_loadd(6, kb + 64 * 16, 64);
+      _tile_dpbf16ps(2, 4, 6);
+      _tile_loadd(7, kb + 96 * 16, 64);
+      _tile_dpbf16ps(3, 4, 7);
+      _tile_loadd(6, kb + 16 * 16, 64);
+      _tile_dpbf16ps(0, 5, 6);
+      _tile_loadd(7, kb + 48 * 16, 64);
+      _tile_dpbf16ps(1, 5, 7);
+      _tile_loadd(6, kb + 80 * 16, 64);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_loadd(7, kb + 112 * 16, 64);
+      _tile_dpbf16ps(3, 5, 7);
+      _tile_stored(0, s + j * 256, 64);
+      _tile_stored(1, s + (j + 1) * 256, 64);
+      _tile_stored(2, s + (j + 2) * 256, 64);
+      _tile_stored(3, s + (j + 3) * 256, 64);
+    }
+    return;
+  }
+  /* 128 dims: the query in tiles 4-7, two key blocks (tiles 0-1) at a time */
+  _tile_loadd(4, qpad, 256);
+  _tile_loadd(5, qpad + 32, 256);
+  _tile_loadd(6, qpad + 64, 256);
+  _tile_loadd(7, qpad + 96, 256);
+  for (int64_t j = 0; j < cnp / 16; j += 2) {
+    const uint32_t *kb = kc + j * 64 * 16; /* block j + b, dims 32 db on: kb + (b * 64 + db * 16) * 16 */
+    _tile_zero(0);
+    _tile_zero(1);
+#define DIMS(db, Q)                                \
+  _tile_loadd(2, kb + (db) * 16 * 16, 64);         \
+  _tile_dpbf16ps(0, Q, 2);                         \
+  _tile_loadd(3, kb + (64 + (db) * 16) * 16, 64);  \
+  _tile_dpbf16ps(1, Q, 3);
+    DIMS(0, 4)
+    DIMS(1, 5)
+    DIMS(2, 6)
+    DIMS(3, 7)
+#undef DIMS
+    _tile_stored(0, s + j * 256, 64);
+    _tile_stored(1, s + (j + 1) * 256, 64);
+  }
+}
+
+/* o[16][d] += p[16][0, cnp) v[c0 .. c0 + cnp], 64 dims (four tiles) at a time */
+static void weigh(const uint16_t *p, const uint16_t *vt, int64_t c0, int64_t cnp, int64_t d,
+                  float *o) {
+  for (int64_t dg = 0; dg < d; dg += 64) {
+    _tile_loadd(0, o + dg, d * 4);
+    _tile_loadd(1, o + dg + 16, d * 4);
+    _tile_loadd(2, o + dg + 32, d * 4);
+    _tile_loadd(3, o + dg + 48, d * 4);
+    for (int64_t kb = 0; kb < cnp / 32; kb++) {
+      const uint16_t *vb = vt + (c0 / 2 + kb * 16) * d * 2 + dg * 2;
+      _tile_loadd(4, p + kb * 32, KC * 2);
+      _tile_loadd(5, vb, d * 4);
+      _tile_loadd(6, vb + 32, d * 4);
+      _tile_dpbf16ps(0, 4, 5);
+      _tile_dpbf16ps(1, 4, 6);
+      _tile_loadd(5, vb + 64, d * 4);
+      _tile_loadd(6, vb + 96, d * 4);
+      _tile_dpbf16ps(2, 4, 5);
+      _tile_dpbf16ps(3, 4, 6);
+    }
+    _tile_stored(0, o + dg, d * 4);
+    _tile_stored(1, o + dg + 16, d * 4);
+    _tile_stored(2, o + dg + 32, d * 4);
+    _tile_stored(3, o + dg + 48, d * 4);
+  }
+}
+
+/* e^x for x <= 0, 16 at a time (native_math.h's exp_nonpos in vectors): 2^(x log2 e) as a
+   degree-6 polynomial of the fraction, scaled by 2 to the integer part */
+static inline __m512 exp16(__m512 x) {
+  const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)),
+                                 _mm512_set1_ps(1.44269504088896341f));
+  const __m512 i = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, i);
+  __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, i);
+}
+
+/* the first `lim` of 16 lanes */
+static inline __mmask16 first(int64_t lim) {
+  return lim >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << lim) - 1u);
+}
+
+/* one row's softmax over `lim` valid scores of cnp (the row's 16 scores of key block j at
+   s + j * 256): weights into p (bf16, zero past lim), the running maximum m and sum l updated,
+   the row's sums so far (o, d floats) rescaled */
+static void softmax_row(const float *s, int64_t lim, int64_t cnp, float scale, uint16_t *p,
+                        float *m, float *l, float *o, int64_t d) {
+  if (lim <= 0) {
+    memset(p, 0, cnp * 2);
+    return;
+  }
+  __m512 vmax = _mm512_set1_ps(LOWEST);
+  for (int64_t t = 0; t < lim; t += 16)
+    vmax = _mm512_mask_max_ps(vmax, first(lim - t), vmax, _mm512_load_ps(s + t * 16));
+  const float mx = _mm512_reduce_max_ps(vmax) * scale;
+  const float m_new = *m > mx ? *m : mx;
+  const float alpha = exp_nonpos(*m - m_new); /* ~0 on the first chunk: l and o are 0 */
+  const __m512 vscale = _mm512_set1_ps(scale), vm = _mm512_set1_ps(m_new);
+  __m512 vsum = _mm512_setzero_ps();
+  int64_t t = 0;
+  for (; t < lim; t += 16) {
+    const __m512 w = _mm512_maskz_mov_ps(
+        first(lim - t), exp16(_mm512_fmsub_ps(_mm512_load_ps(s + t * 16), vscale, vm)));
+    vsum = _mm512_add_ps(vsum, w);
+    _mm256_storeu_si256((__m256i *)(p + t), (__m256i)_mm512_cvtneps_pbh(w));
+  }
+  for (; t < cnp; t += 16) _mm256_storeu_si256((__m256i *)(p + t), _mm256_setzero_si256());
+  *l = *l * alpha + _mm512_reduce_add_ps(vsum);
+  *m = m_new;
+  if (alpha != 1.f)
+    for (int64_t c = 0; c < d; c += 16)
+      _mm512_storeu_ps(o + c, _mm512_mul_ps(_mm512_loadu_ps(o + c), _mm512_set1_ps(alpha)));
+}
+
+void extend_attention_amx(const uint16_t *q, const uint16_t *k, const uint16_t *v, uint16_t *out,
+                          int64_t n, int64_t L, int64_t hq, int64_t hk, int64_t d, float scale,
+                          int threads) {
+  const int64_t lp = (L + 63) / 64 * 64, prefix = L - n, group = hq / hk;
+  const int64_t nqb = (n + QB - 1) / QB;
+  uint32_t *kt = aligned_alloc(64, (size_t)(hk * lp * d * 2));
+  uint16_t *vt = aligned_alloc(64, (size_t)(hk * lp * d * 2));
+#pragma omp parallel num_threads(threads)
+  {
+#pragma omp for schedule(static)
+    for (int64_t h = 0; h < 2 * hk; h++) {
+      if (h < hk)
+        pack_k(k + h * L * d, L, lp, d, kt + h * lp * d / 2);
+      else
+        pack_v(v + (h - hk) * L * d, L, lp, d, vt + (h - hk) * lp * d);
+    }
+    configure();
+    float *s = aligned_alloc(64, QB * KC * 4);
+    uint16_t *p = aligned_alloc(64, QB * KC * 2);
+    float *o = aligned_alloc(64, (size_t)(QB * d * 4));
+    uint16_t *qpad = aligned_alloc(64, (size_t)(QB * d * 2));
+    float m[QB], l[QB];
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < nqb * hq; task++) {
+      const int64_t qb = nqb - 1 - task / hq, head = task % hq, kvh = head / group;
+      const int64_t i0 = qb * QB, rows = n - i0 < QB ? n - i0 : QB;
+      const uint32_t *ktk = kt + kvh * lp * d / 2;
+      const uint16_t *vtk = vt + kvh * lp * d;
+      for (int64_t r = 0; r < QB; r++) {
+        if (r < rows)
+          memcpy(qpad + r * d, q + ((i0 + r) * hq + head) * d, d * 2);
+        else
+          memset(qpad + r * d, 0, d * 2);
+        m[r] = LOWEST;
+        l[r] = 0.f;
+      }
+      memset(o, 0, QB * d * 4);
+      const int64_t kv_end = prefix + i0 + rows; /* the last row's keys */
+      for (int64_t c0 = 0; c0 < kv_end; c0 += KC) {
+        const int64_t cn = kv_end - c0 < KC ? kv_end - c0 : KC, cnp = (cn + 63) / 64 * 64;
+        scores(qpad, ktk, c0, cnp, d, s);
+        for (int64_t r = 0; r < QB; r++) {
+          const int64_t seen = prefix + i0 + r + 1 - c0; /* row r's keys in this chunk */
+          const int64_t lim = r >= rows ? 0 : (seen < cn ? seen : cn);
+          softmax_row(s + r * 16, lim, cnp, scale, p + r * KC, m + r, l + r, o + r * d, d);
+        }
+        weigh(p, vtk, c0, cnp, d, o);
+      }
+      for (int64_t r = 0; r < rows; r++) {
+        const float inv = 1.f / l[r];
+        uint16_t *dst = out + ((i0 + r) * hq + head) * d;
+        for (int64_t c = 0; c < d; c += 16)
+          _mm256_storeu_si256(
+              (__m256i *)(dst + c),
+              (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(o + r * d + c),
+                                                        _mm512_set1_ps(inv))));
+      }
+    }
+    _tile_release();
+    free(s);
+    free(p);
+    free(o);
+    free(qpad);
+  }
+  free(kt);
+  free(vt);
+}
