@@ -39,6 +39,11 @@ from .models.llama import LlamaForCausalLM
 
 # steps of fewer tokens run eagerly (see the docstring)
 MIN_TOKENS = 2
+# the tokens of the prompt that compiles the graph: inductor sizes its loops' threads by the
+# sizes it traced (a loop over too few elements for two threads' chunks runs on one), so a
+# three-token trace left a prompt's rotary embedding and K/V write on one thread (390 us a
+# layer for 512 tokens); 64 tokens make every loop over the tokens parallel
+WARM_UP_TOKENS = 64
 
 # dtypes whose prompt steps run the step graph. `benchmarks/path_bench.py --path step-graph` (SmolLM2-135M,
 # two threads, an Intel Xeon with AMX, four rounds, step graph / eager, median and range): bf16
@@ -141,10 +146,10 @@ class CpuStepGraph:
 
     def warm_up(self) -> float:
         """Compile (or load from inductor's cache) before serving; returns the seconds taken.
-        Runs a three-token prompt on row 0 of the table whose K/V go to the padding page's
-        slot 0, the inputs made as the runner makes a step's."""
+        Runs a prompt of `WARM_UP_TOKENS` (at most the table's row) on row 0 of the table whose
+        K/V go to the padding page's slot 0, the inputs made as the runner makes a step's."""
         start = time.perf_counter()
-        tokens = 3
+        tokens = min(WARM_UP_TOKENS, self.backend.req_to_token.shape[1])
         zero = np.zeros(1, dtype=np.int64)
         with torch.inference_mode():  # as runner.forward: its tensors are inference tensors
             batch = ForwardBatch(
