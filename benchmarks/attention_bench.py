@@ -1,6 +1,7 @@
 """CPU extend attention in bf16: torch's flash kernel (SDPA, GQA native) against the row blocks
-of `workers/attention/block_causal.py`, the same inputs, interleaved; prints each one's median
-and the ratio (blocks / flash time, lower is better) per shape.
+of `workers/attention/block_causal.py` and, where the CPU has AMX tiles, the kernel on them
+(`workers/attention/extend_amx.py`), the same inputs, one after the other per shape; prints
+each one's median and the ratios (blocks / flash and tiles / flash time, lower is better).
 
     python benchmarks/attention_bench.py [--threads 2] [--heads 9 3 64] [--repeats 30]
 
@@ -18,6 +19,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from raydix.workers.attention import extend_amx
 from raydix.workers.attention.block_causal import block_causal_attention
 from raydix.workers.host_memory import keep_freed_memory
 
@@ -37,8 +39,9 @@ def _median_ms(fn: Callable[[], object], repeats: int) -> float:
 
 
 def _time_shape(prefix: int, n: int, heads: list[int], repeats: int,
-                gen: torch.Generator) -> tuple[float, float]:
-    """Median ms of the flash kernel and of the blocks on one shape."""
+                gen: torch.Generator) -> tuple[float, float, float]:
+    """Median ms of the flash kernel, the blocks and the tiles (nan without them) on one
+    shape."""
     num_q, num_kv, dim = heads
     scale = dim ** -0.5
     q = torch.randn(num_q, n, dim, generator=gen).bfloat16()
@@ -55,7 +58,12 @@ def _time_shape(prefix: int, n: int, heads: list[int], repeats: int,
     def blocks() -> torch.Tensor:
         return block_causal_attention(q, k, v, prefix, scale)
 
-    return _median_ms(flash, repeats), _median_ms(blocks, repeats)
+    def tiles() -> torch.Tensor:
+        return extend_amx.attention(q_tokens, k, v, scale)
+
+    q_tokens = q.transpose(0, 1).contiguous()  # the tiles take [n, Hq, D]
+    on_tiles = _median_ms(tiles, repeats) if extend_amx.serves(q_tokens, num_kv) else float("nan")
+    return _median_ms(flash, repeats), _median_ms(blocks, repeats), on_tiles
 
 
 def main() -> None:
@@ -69,12 +77,13 @@ def main() -> None:
     keep_freed_memory()  # as a CPU runner does: freed scores are reused, not faulted in again
     num_q, num_kv, dim = args.heads
     print(f"bf16, {num_q}/{num_kv} heads of {dim}, {args.threads} threads; median ms")
-    print(f"{'prefix':>6} {'new':>5} {'flash':>8} {'blocks':>8} {'ratio':>6}")
+    print(f"{'prefix':>6} {'new':>5} {'flash':>8} {'blocks':>8} {'tiles':>8} {'blocks/f':>8} "
+          f"{'tiles/f':>8}")
     gen = torch.Generator().manual_seed(0)
     for prefix, n in SHAPES:
-        flash_ms, blocks_ms = _time_shape(prefix, n, args.heads, args.repeats, gen)
-        print(f"{prefix:>6} {n:>5} {flash_ms:>8.3f} {blocks_ms:>8.3f} "
-              f"{blocks_ms / flash_ms:>6.2f}")
+        flash_ms, blocks_ms, tiles_ms = _time_shape(prefix, n, args.heads, args.repeats, gen)
+        print(f"{prefix:>6} {n:>5} {flash_ms:>8.3f} {blocks_ms:>8.3f} {tiles_ms:>8.3f} "
+              f"{blocks_ms / flash_ms:>8.2f} {tiles_ms / flash_ms:>8.2f}")
 
 
 if __name__ == "__main__":
