@@ -12,7 +12,7 @@
 
    The tiles read their second operand as pairs of rows side by side (the "VNNI" layout), so k
    and v are rearranged once per call, per key head: k as 16-key blocks of dim pairs (kt), v as
-   key pairs of dims (vt), both padded with zero keys to a multiple of 32. */
+   key pairs of dims (vt), both padded with zero keys to a multiple of 64 (a round of scores). */
 
 #include <immintrin.h>
 #include <stdint.h>
