@@ -76,60 +76,43 @@ static void pack_v(const uint16_t *v, int64_t L, int64_t lp, int64_t d, uint16_t
 static void scores(const uint16_t *qpad, const uint32_t *kt, int64_t c0, int64_t cnp, int64_t d,
                    float *s) {
   const uint32_t *kc = kt + (c0 / 16) * (d / 2) * 16; /* the chunk's first key block */
-  if (d == 64) {
+/* sum C += the query's dims 32 db on (tile Q) times key block b's (through tile T); a key
+   block's dims 32 db on start at kb + (b * d/2 + db * 16) * 16 */
+#define KEYS(C, Q, T, b, db)                                       \
+  _tile_loadd(T, kb + ((b) * (d / 2) + (db) * 16) * 16, 64);       \
+  _tile_dpbf16ps(C, Q, T);
+  if (d == 64) { /* the query in tiles 4-5, four key blocks (tiles 0-3) a round */
     _tile_loadd(4, qpad, 128);
     _tile_loadd(5, qpad + 32, 128);
     for (int64_t j = 0; j < cnp / 16; j += 4) {
-      const uint32_t *kb = kc + j * 32 * 16; /* block j + b, dims 32 db on: kb + (b * 32 + db * 16) * 16 */
+      const uint32_t *kb = kc + j * 32 * 16;
       _tile_zero(0);
       _tile_zero(1);
       _tile_zero(2);
       _tile_zero(3);
-      _tile_loadd(6, kb, 64);
-      _tile_dpbf16ps(0, 4, 6);
-      _tile_loadd(7, kb + 32 * 16, 64);
-      _tile_dpbf16ps(1, 4, 7);
-      _tile_loadd(6, kb + 64 * 16, 64);
-      _tile_dpbf16ps(2, 4, 6);
-      _tile_loadd(7, kb + 96 * 16, 64);
-      _tile_dpbf16ps(3, 4, 7);
-      _tile_loadd(6, kb + 16 * 16, 64);
-      _tile_dpbf16ps(0, 5, 6);
-      _tile_loadd(7, kb + 48 * 16, 64);
-      _tile_dpbf16ps(1, 5, 7);
-      _tile_loadd(6, kb + 80 * 16, 64);
-      _tile_dpbf16ps(2, 5, 6);
-      _tile_loadd(7, kb + 112 * 16, 64);
-      _tile_dpbf16ps(3, 5, 7);
+      KEYS(0, 4, 6, 0, 0) KEYS(1, 4, 7, 1, 0) KEYS(2, 4, 6, 2, 0) KEYS(3, 4, 7, 3, 0)
+      KEYS(0, 5, 6, 0, 1) KEYS(1, 5, 7, 1, 1) KEYS(2, 5, 6, 2, 1) KEYS(3, 5, 7, 3, 1)
       _tile_stored(0, s + j * 256, 64);
       _tile_stored(1, s + (j + 1) * 256, 64);
       _tile_stored(2, s + (j + 2) * 256, 64);
       _tile_stored(3, s + (j + 3) * 256, 64);
     }
-    return;
+  } else { /* 128 dims: the query in tiles 4-7, two key blocks (tiles 0-1) a round */
+    _tile_loadd(4, qpad, 256);
+    _tile_loadd(5, qpad + 32, 256);
+    _tile_loadd(6, qpad + 64, 256);
+    _tile_loadd(7, qpad + 96, 256);
+    for (int64_t j = 0; j < cnp / 16; j += 2) {
+      const uint32_t *kb = kc + j * 64 * 16;
+      _tile_zero(0);
+      _tile_zero(1);
+      KEYS(0, 4, 2, 0, 0) KEYS(1, 4, 3, 1, 0) KEYS(0, 5, 2, 0, 1) KEYS(1, 5, 3, 1, 1)
+      KEYS(0, 6, 2, 0, 2) KEYS(1, 6, 3, 1, 2) KEYS(0, 7, 2, 0, 3) KEYS(1, 7, 3, 1, 3)
+      _tile_stored(0, s + j * 256, 64);
+      _tile_stored(1, s + (j + 1) * 256, 64);
+    }
   }
-  /* 128 dims: the query in tiles 4-7, two key blocks (tiles 0-1) at a time */
-  _tile_loadd(4, qpad, 256);
-  _tile_loadd(5, qpad + 32, 256);
-  _tile_loadd(6, qpad + 64, 256);
-  _tile_loadd(7, qpad + 96, 256);
-  for (int64_t j = 0; j < cnp / 16; j += 2) {
-    const uint32_t *kb = kc + j * 64 * 16; /* block j + b, dims 32 db on: kb + (b * 64 + db * 16) * 16 */
-    _tile_zero(0);
-    _tile_zero(1);
-#define DIMS(db, Q)                                \
-  _tile_loadd(2, kb + (db) * 16 * 16, 64);         \
-  _tile_dpbf16ps(0, Q, 2);                         \
-  _tile_loadd(3, kb + (64 + (db) * 16) * 16, 64);  \
-  _tile_dpbf16ps(1, Q, 3);
-    DIMS(0, 4)
-    DIMS(1, 5)
-    DIMS(2, 6)
-    DIMS(3, 7)
-#undef DIMS
-    _tile_stored(0, s + j * 256, 64);
-    _tile_stored(1, s + (j + 1) * 256, 64);
-  }
+#undef KEYS
 }
 
 /* o[16][d] += p[16][0, cnp) v[c0 .. c0 + cnp], 64 dims (four tiles) at a time */
