@@ -19,7 +19,13 @@ _SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA = 158, 0x1023, 18
 @functools.cache
 def native_bf16() -> bool:
     """The CPU computes bf16 dot products in hardware (AVX-512-BF16 or AMX tiles)."""
-    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+    return bool(avx512_bf16() or torch.cpu._is_amx_tile_supported())
+
+
+@functools.cache
+def avx512_bf16() -> bool:
+    """The CPU has AVX-512-BF16: dot products of bf16 pairs into float32 lanes."""
+    return bool(torch.cpu._is_avx512_bf16_supported())
 
 
 def amx_tiles() -> bool:

@@ -4,8 +4,9 @@ Single-token requests (decode) are attended in padded batches: on CPU those that
 prefix through cascade groups (cascade.py), the rest in at most two batches split by length
 (`split_by_length`), so that a few long requests do not pad every short one to their length.
 Multi-token requests (extend) run one request at a time, with a causal mask shifted by the
-request's prefix length; on CPU in bf16, plain causal layers' extends run on the AMX tiles
-where the CPU has them (extend_amx.py), else as row blocks of matrix products (block_causal.py).
+request's prefix length; on CPU in bf16, plain causal layers' extends run in a kernel of their
+own (extend_bf16.py: on the AMX tiles, else as AVX-512-BF16 dot products) where the CPU has
+either, else as row blocks of matrix products (block_causal.py).
 Windowed layers (`LayerAttention.window`) mask the
 keys before their window; layers with a logit soft cap compute their scores explicitly.
 Cascades serve models whose layers are all plain. Extend attention runs through the SDPA
@@ -28,7 +29,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..cpu_features import amx_tiles
 from ..kv_pool import KVPool
-from . import extend_amx
+from . import extend_bf16
 from .base import AttentionBackend, ForwardBatch, LayerAttention
 from .block_causal import block_causal_attention, blocks_faster
 from .cascade import CascadeBatch, cascade_attention, find_groups
@@ -81,9 +82,10 @@ class TorchAttentionBackend(AttentionBackend):
         # where the CPU has no AMX tiles: with them torch's kernel runs its products on the
         # tiles and takes half the row blocks' time (block_causal.py)
         self.block_causal = not amx_tiles()
-        # and with AMX tiles through the kernel on them (extend_amx.py), not torch's flash
-        # kernel: 0.55-0.71x its time (tests and benchmarks/path_bench.py compare)
-        self.amx_extend = self.device.type == "cpu" and extend_amx.available()
+        # and where the CPU has AMX tiles or AVX-512-BF16 through the kernel on them
+        # (extend_bf16.py): 0.55-0.71x flash's time on the tiles, and against the row blocks
+        # see extend_bf16.py (tests and benchmarks/path_bench.py compare)
+        self.bf16_extend = self.device.type == "cpu" and extend_bf16.available()
 
     def prepare(self, batch: ForwardBatch) -> None:
         self._out_cache_loc = batch.out_cache_loc
@@ -175,10 +177,10 @@ class TorchAttentionBackend(AttentionBackend):
                 shape = (self.num_kv_heads, -1, self.head_dim)
                 ke = _gather(k_buf, e.rows).view(shape).to(q.dtype)  # [Hk, L, D]
                 ve = _gather(v_buf, e.rows).view(shape).to(q.dtype)
-                if self._on_tiles(q, attn):
-                    extend_amx.attention(q[e.token_start: e.token_start + e.extend_len], ke, ve,
-                                         attn.softmax_scale(self.head_dim),
-                                         out[e.token_start: e.token_start + e.extend_len])
+                if self._in_kernel(q, attn):
+                    extend_bf16.attention(q[e.token_start: e.token_start + e.extend_len], ke, ve,
+                                          attn.softmax_scale(self.head_dim),
+                                          out[e.token_start: e.token_start + e.extend_len])
                     continue
                 if self._blocks_faster(q, attn, ke.shape[1]):
                     out[e.token_start: e.token_start + e.extend_len] = block_causal_attention(
@@ -202,11 +204,11 @@ class TorchAttentionBackend(AttentionBackend):
                 out[e.token_start: e.token_start + e.extend_len] = res[0].transpose(0, 1)
         return out.view(q.shape[0], -1)
 
-    def _on_tiles(self, q: torch.Tensor, attn: LayerAttention) -> bool:
-        """This extend's attention runs on the AMX tiles (extend_amx.py): plain causal layers
-        (no window, no soft cap) whose queries the kernel takes."""
-        return (self.amx_extend and not attn.window and not attn.logit_softcap
-                and extend_amx.serves(q, self.num_kv_heads))
+    def _in_kernel(self, q: torch.Tensor, attn: LayerAttention) -> bool:
+        """This extend's attention runs in the bf16 kernel (extend_bf16.py): plain causal
+        layers (no window, no soft cap) whose queries the kernel takes."""
+        return (self.bf16_extend and not attn.window and not attn.logit_softcap
+                and extend_bf16.serves(q, self.num_kv_heads))
 
     def _blocks_faster(self, q: torch.Tensor, attn: LayerAttention, num_keys: int) -> bool:
         """This extend's attention runs as row blocks of bf16 products (block_causal.py):

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from ..cpu_features import amx_granted
+from ..cpu_features import amx_granted, avx512_bf16
 from ..native_build import NativeBuildError, load
 
 logger = logging.getLogger(__name__)
@@ -62,7 +62,7 @@ def warm_up() -> bool:
         return True
     if _failed is not None:
         return False
-    if not torch.cpu._is_avx512_bf16_supported():
+    if not avx512_bf16():
         _failed = "no AVX-512-BF16 on this CPU"
         return False
     argtypes: list[type] = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4 + [ctypes.c_int]

@@ -1,18 +1,20 @@
 /* Causal attention of a request's new tokens (a prompt or a chunk of one, after `prefix` keys
-   already in the cache) in bf16 on AMX tiles: out = softmax(q k^T * scale, causal) v, float32
-   scores and sums, the weights rounded to bf16 for their product with v (as torch's flash
-   kernel does). Built by workers/native_build.py, called with ctypes (extend_amx.py).
+   already in the cache) in bf16: out = softmax(q k^T * scale, causal) v, float32 scores and
+   sums, the weights rounded to bf16 for their product with v (as torch's flash kernel does).
+   Built by workers/native_build.py, called with ctypes (extend_bf16.py). TILES=1 builds the
+   products on AMX tiles, TILES=0 as AVX-512-BF16 dot products (CPUs without AMX).
 
    q [n, hq, d] and out [n, hq, d]; k and v [hk, L, d] (L = prefix + n), head h of the queries
    reads head h / (hq / hk) of the keys. Each task is 16 query rows of one head (the last rows
-   of the prompt first: they see the most keys): their scores against 16 keys at a time are one
-   tile product per 32 dims, the rows' softmax runs on the 16 x (up to) 512 scores in memory,
-   and the weights times the values accumulate in four tiles of 16 dims each. Keys come in
-   chunks of 512: the running maximum and sum rescale the sums between chunks (online softmax).
+   of the prompt first: they see the most keys): their scores against 64 keys at a time (a
+   round), the rows' softmax on the 16 x (up to) 512 scores in memory, and the weights times
+   the values summed into 16 x d floats. Keys come in chunks of 512: the running maximum and
+   sum rescale the sums between chunks (online softmax).
 
-   The tiles read their second operand as pairs of rows side by side (the "VNNI" layout), so k
-   and v are rearranged once per call, per key head: k as 16-key blocks of dim pairs (kt), v as
-   key pairs of dims (vt), both padded with zero keys to a multiple of 64 (a round of scores). */
+   Both kinds of product read their second operand as pairs of rows side by side (the "VNNI"
+   layout: a 32-bit lane holds two bf16 of the same column), so k and v are rearranged once per
+   call, per key head: k as 16-key blocks of dim pairs (kt), v as key pairs of dims (vt), both
+   padded with zero keys to a multiple of 64. */
 
 #include <immintrin.h>
 #include <stdint.h>
@@ -21,14 +23,18 @@
 
 #include "native_math.h"
 
-#if !defined(__AMX_TILE__) || !defined(__AMX_BF16__) || !defined(__AVX512BF16__)
+#if TILES && (!defined(__AMX_TILE__) || !defined(__AMX_BF16__) || !defined(__AVX512BF16__))
 #error "the tiles' attention needs AMX-BF16"
+#endif
+#if !TILES && !defined(__AVX512BF16__)
+#error "the dot products' attention needs AVX-512-BF16"
 #endif
 
 #define QB 16  /* query rows a task */
 #define KC 512 /* keys a chunk */
 #define LOWEST -1e30f /* a maximum before any score (finite: built with finite math) */
 
+#if TILES
 typedef struct {
   uint8_t palette_id, start_row, reserved[14];
   uint16_t colsb[16];
@@ -46,6 +52,8 @@ static void configure(void) {
   }
   _tile_loadconfig(&cfg);
 }
+
+#endif
 
 /* kt[(j * d/2 + p) * 16 + key] (32-bit pairs) = k[j * 16 + key][2p, 2p + 1]; zero past L */
 static void pack_k(const uint16_t *k, int64_t L, int64_t lp, int64_t d, uint32_t *kt) {
@@ -70,6 +78,7 @@ static void pack_v(const uint16_t *v, int64_t L, int64_t lp, int64_t d, uint16_t
   }
 }
 
+#if TILES
 /* the scores of 16 query rows (qpad) against keys c0 .. c0 + cnp of kt, each 16 keys' tile
    stored whole: s[(j * 16 + row) * 16 + key] for key block j. The query's tiles stay loaded;
    64 dims take 64 keys a round (four sums in flight), 128 dims 32 keys. */
@@ -142,6 +151,75 @@ static void weigh(const uint16_t *p, const uint16_t *vt, int64_t c0, int64_t cnp
   }
 }
 
+#else /* AVX-512-BF16 dot products: four query rows against four 16-key blocks (or 64 dims)
+         at a time, sixteen sums in registers */
+
+/* the pair of bf16 at `at` (32 bits) in every lane */
+static inline __m512bh pair(const void *at) {
+  return (__m512bh)_mm512_set1_epi32(*(const int32_t *)at);
+}
+
+static void scores(const uint16_t *qpad, const uint32_t *kt, int64_t c0, int64_t cnp, int64_t d,
+                   float *s) {
+  const int64_t pairs = d / 2;
+  const uint32_t *kc = kt + (c0 / 16) * pairs * 16; /* the chunk's first key block */
+  for (int64_t j = 0; j < cnp / 16; j += 4) {
+    const uint32_t *kb = kc + j * pairs * 16;
+    for (int64_t r = 0; r < QB; r += 4) {
+      __m512 acc[4][4];
+#pragma GCC unroll 4
+      for (int rr = 0; rr < 4; rr++)
+#pragma GCC unroll 4
+        for (int b = 0; b < 4; b++) acc[rr][b] = _mm512_setzero_ps();
+      for (int64_t p = 0; p < pairs; p++) {
+        __m512bh kv[4];
+#pragma GCC unroll 4
+        for (int b = 0; b < 4; b++)
+          kv[b] = (__m512bh)_mm512_loadu_si512(kb + (b * pairs + p) * 16);
+#pragma GCC unroll 4
+        for (int rr = 0; rr < 4; rr++) {
+          const __m512bh qv = pair(qpad + (r + rr) * d + 2 * p);
+#pragma GCC unroll 4
+          for (int b = 0; b < 4; b++) acc[rr][b] = _mm512_dpbf16_ps(acc[rr][b], qv, kv[b]);
+        }
+      }
+#pragma GCC unroll 4
+      for (int rr = 0; rr < 4; rr++)
+#pragma GCC unroll 4
+        for (int b = 0; b < 4; b++) _mm512_store_ps(s + ((j + b) * 16 + r + rr) * 16, acc[rr][b]);
+    }
+  }
+}
+
+static void weigh(const uint16_t *p, const uint16_t *vt, int64_t c0, int64_t cnp, int64_t d,
+                  float *o) {
+  for (int64_t dg = 0; dg < d; dg += 64)
+    for (int64_t r = 0; r < QB; r += 4) {
+      __m512 acc[4][4];
+#pragma GCC unroll 4
+      for (int rr = 0; rr < 4; rr++)
+#pragma GCC unroll 4
+        for (int b = 0; b < 4; b++) acc[rr][b] = _mm512_loadu_ps(o + (r + rr) * d + dg + 16 * b);
+      for (int64_t kp = 0; kp < cnp / 2; kp++) {
+        const uint16_t *vb = vt + (c0 / 2 + kp) * d * 2 + dg * 2;
+        __m512bh vv[4];
+#pragma GCC unroll 4
+        for (int b = 0; b < 4; b++) vv[b] = (__m512bh)_mm512_loadu_si512(vb + 32 * b);
+#pragma GCC unroll 4
+        for (int rr = 0; rr < 4; rr++) {
+          const __m512bh pv = pair(p + (r + rr) * KC + 2 * kp);
+#pragma GCC unroll 4
+          for (int b = 0; b < 4; b++) acc[rr][b] = _mm512_dpbf16_ps(acc[rr][b], pv, vv[b]);
+        }
+      }
+#pragma GCC unroll 4
+      for (int rr = 0; rr < 4; rr++)
+#pragma GCC unroll 4
+        for (int b = 0; b < 4; b++) _mm512_storeu_ps(o + (r + rr) * d + dg + 16 * b, acc[rr][b]);
+    }
+}
+#endif
+
 /* e^x for x <= 0, 16 at a time: 2^(x log2 e) as a degree-4 polynomial of the fraction (2.7e-6
    relative error, far below the weights' bf16 rounding), scaled by 2 to the integer part
    (scalef: 0 far below the float range, so no clamp) */
@@ -194,7 +272,7 @@ static void softmax_row(const float *s, int64_t lim, int64_t cnp, float scale, u
       _mm512_storeu_ps(o + c, _mm512_mul_ps(_mm512_loadu_ps(o + c), _mm512_set1_ps(alpha)));
 }
 
-void extend_attention_amx(const uint16_t *q, const uint16_t *k, const uint16_t *v, uint16_t *out,
+void extend_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, uint16_t *out,
                           int64_t n, int64_t L, int64_t hq, int64_t hk, int64_t d, float scale,
                           int threads) {
   const int64_t lp = (L + 63) / 64 * 64, prefix = L - n, group = hq / hk;
@@ -210,7 +288,9 @@ void extend_attention_amx(const uint16_t *q, const uint16_t *k, const uint16_t *
       else
         pack_v(v + (h - hk) * L * d, L, lp, d, vt + (h - hk) * lp * d);
     }
+#if TILES
     configure();
+#endif
     float *s = aligned_alloc(64, QB * KC * 4);
     uint16_t *p = aligned_alloc(64, QB * KC * 2);
     float *o = aligned_alloc(64, (size_t)(QB * d * 4));
@@ -252,7 +332,9 @@ void extend_attention_amx(const uint16_t *q, const uint16_t *k, const uint16_t *
                                                         _mm512_set1_ps(inv))));
       }
     }
+#if TILES
     _tile_release();
+#endif
     free(s);
     free(p);
     free(o);

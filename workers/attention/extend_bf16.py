@@ -1,0 +1,108 @@
+"""Causal attention of an extend (a prompt, or a chunk of one after its cached prefix) in bf16
+on the CPU (`extend_bf16.c`): its products on the AMX tiles where the CPU has them, else as
+AVX-512-BF16 dot products; where torch's flash kernel (AMX) or row blocks of products
+(block_causal.py, without AMX) ran.
+
+On AMX: torch's CPU flash kernel runs its products on the tiles too (through oneDNN's small-GEMM
+calls), but takes 1.1-1.6 ms a layer for a 512-token prompt of SmolLM2-135M (9 query heads, 3
+key heads, 64 dims) on two cores of an AMX Xeon; the kernel here, 16 query rows a task with
+their scores, softmax and weighted values in one pass, 0.55x that (0.58x for 64 tokens after
+512 cached, 0.56x for 512 after 512, 0.71x for 2,048 new tokens; `attention_bench.py`).
+Without AMX (an AMD EPYC Zen 5 with AVX-512-BF16, two cores): the dot products' kernel against
+the row blocks, see `attention_bench.py` and the README. The results equal a float32 reference
+as closely as flash's do (float32 scores and sums, the weights rounded to bf16 for their
+product with the values, the output rounded once).
+
+Built at first use: the tiles' kernel where the CPU has AMX and Linux grants the tiles
+(`cpu_features.amx_granted`), else the dot products' where it has AVX-512-BF16; elsewhere
+`available()` is False and the backend keeps its other paths.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+from pathlib import Path
+
+import torch
+
+from ..cpu_features import amx_granted, avx512_bf16
+from ..native_build import NativeBuildError, load
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("extend_bf16.c")
+HEAD_DIMS = (64, 128)  # the kernel's tiles: 64 dims take four at a time, 128 two rounds
+
+KERNELS = ("tiles", "dot products")  # the products' kind, the first that the CPU has is served
+_ARGTYPES = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int]
+
+_libs: dict[str, ctypes.CDLL] = {}
+_failed: dict[str, str] = {}
+
+
+@functools.cache
+def kernels() -> tuple[str, ...]:
+    """The kinds this CPU runs, the served one first (tests run each)."""
+    return tuple(kind for kind in KERNELS
+                 if (amx_granted() if kind == "tiles" else avx512_bf16()))
+
+
+def kernel() -> str | None:
+    """The kind `attention` runs by default: the first this CPU runs, None where none."""
+    kinds = kernels()
+    return kinds[0] if kinds else None
+
+
+def available(kind: str | None = None) -> bool:
+    """The kernel (`kind`, else the served one) is built or loaded; False, logged once, where
+    the CPU lacks it or it does not build."""
+    kind = kind or kernel()
+    if kind is None:
+        return False
+    if kind in _libs:
+        return True
+    if kind in _failed or kind not in kernels():
+        return False
+    try:
+        _libs[kind] = load(SOURCE, {"TILES": int(kind == "tiles")},
+                           {"extend_attention_bf16": _ARGTYPES})
+    except (NativeBuildError, OSError) as exc:
+        _failed[kind] = str(exc)
+        logger.warning("prompt attention stays with its other paths: the %s kernel could not "
+                       "be built: %s", kind, exc)
+        return False
+    return True
+
+
+def serves(q: torch.Tensor, num_kv_heads: int) -> bool:
+    """The kernel takes these queries [n, Hq, D]: bf16 on CPU, a head size it tiles, whole
+    query groups per key head, and it is available."""
+    return (q.device.type == "cpu" and q.dtype == torch.bfloat16 and q.dim() == 3
+            and q.shape[2] in HEAD_DIMS and q.shape[1] % num_kv_heads == 0 and available())
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+              out: torch.Tensor | None = None, kind: str | None = None) -> torch.Tensor:
+    """Causal attention of `q` [n, Hq, D], the last n of the L positions of `k`, `v`
+    [Hk, L, D] (all bf16): each query sees the keys up to its own position. Into `out`
+    [n, Hq, D] (contiguous) when given; `kind` of KERNELS, else the served one."""
+    kind = kind or kernel()
+    assert kind is not None and available(kind), "available() first"
+    lib = _libs[kind]
+    n, num_q_heads, head_dim = q.shape
+    num_kv_heads, num_keys, _ = k.shape
+    if num_keys < n or v.shape != k.shape or k.shape[2] != head_dim:
+        raise ValueError(f"extend attention: q {tuple(q.shape)} against k {tuple(k.shape)}, "
+                         f"v {tuple(v.shape)}")
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    dst = out if out is not None and out.is_contiguous() else torch.empty_like(
+        q, memory_format=torch.contiguous_format)
+    if n:
+        lib.extend_attention_bf16(q.data_ptr(), k.data_ptr(), v.data_ptr(), dst.data_ptr(), n,
+                                  num_keys, num_q_heads, num_kv_heads, head_dim, scale,
+                                  torch.get_num_threads())
+    if out is not None and dst is not out:
+        out.copy_(dst)
+    return dst if out is None else out
