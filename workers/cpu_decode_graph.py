@@ -16,9 +16,9 @@ compiled code (`index_copy_` traced; through the Python operator `raydix::store_
 call of 20-40 us a layer).
 
 The graph reads the decoder layers' weights in their plain `[out, in]` layout, so a runner that
-uses it keeps them plain (one copy) rather than oneDNN-packed, but in bf16 on a CPU with AMX
-tiles, where every layer is packed and the graphs call oneDNN on them (`graph_head.py`:
-`layers_packed`). In bf16 the LM head is packed in any case (`PACKED_HEAD_DTYPES`; the only
+uses it keeps them plain (one copy) rather than oneDNN-packed, but in bf16 on a CPU with native
+bf16 (AMX tiles or AVX-512-BF16), where every layer is packed and the graphs call oneDNN (or
+the packed-weight kernel, layers/packed_gemv.py) on them (`graph_head.py`: `layers_packed`). In bf16 the LM head is packed in any case (`PACKED_HEAD_DTYPES`; the only
 copy), and the graphs call oneDNN's product on it as one opaque operator
 (`raydix::onednn_linear`): at several rows that
 product is about twice as fast as the one on the plain weight, and at one row about as fast as

@@ -1,6 +1,6 @@
 """Which weights a runner with the CPU decode graph packs for oneDNN: the LM head in bf16 always
-and in float32 where timed faster at start; in bf16 on a CPU with AMX tiles every linear layer
-(`layers_packed`, below).
+and in float32 where timed faster at start; in bf16 on a CPU with native bf16 (AMX tiles or
+AVX-512-BF16) every linear layer (`layers_packed`, below).
 
 The graph (cpu_decode_graph.py) computes a one-row product as multiply-and-sum on the plain
 weight, which inductor turns into one parallel loop that reads each weight row once. In bf16
@@ -12,14 +12,19 @@ one stream 41-47 ms against 51-52 with the head plain (three alternated runs of 
 So the runner times both on the model's own head weight and packs it where oneDNN is clearly
 faster.
 
-bf16 on a CPU with AMX: the decoder layers too. oneDNN's bf16 products on AMX tiles, on packed
-weights, time one row about as the graph's multiply-and-sum on the plain weights and several
-rows much faster than torch's product on them (which reorders the weight at each call). On the
-Intel Xeon above, SmolLM2-135M, two threads, both graphs, one process, two engines alternated
-(three runs each, every layer packed / all plain but the head): one stream 0.95-1.11x (median
-1.09), four streams 1.18-1.33x (1.26), shared prefix 1.02-1.11x (1.10), mixed 0.81-1.18x
-(1.01), a lone 512-token prompt's TTFT 0.90-1.36x (0.91, lower is better). Elsewhere (AVX-512
-BF16 without AMX: not measured; float32) the decoder layers stay plain.
+bf16 on a CPU with native bf16: the decoder layers too. With AMX, oneDNN's bf16 products run on
+the tiles, on packed weights, and time one row about as the graph's multiply-and-sum on the
+plain weights and several rows much faster than torch's product on them (which reorders the
+weight at each call). On the Intel Xeon above, SmolLM2-135M, two threads, both graphs, one
+process, two engines alternated (three runs each, every layer packed / all plain but the head):
+one stream 0.95-1.11x (median 1.09), four streams 1.18-1.33x (1.26), shared prefix 1.02-1.11x
+(1.10), mixed 0.81-1.18x (1.01), a lone 512-token prompt's TTFT 0.90-1.36x (0.91, lower is
+better). With AVX-512-BF16 and no AMX the packed weights' few-row products take the dot
+products' kernel (layers/packed_gemv.py: 1-32 rows, 0.25-0.46x the time of `small_gemm` on
+the plain weights on an AMD EPYC Zen 5, 30 layers' weights) and prompts oneDNN's product
+without the per-call reorder (0.79x at 512 rows); the same A/B there (three runs each): one
+stream 0.92-1.10x (1.05), four streams 1.58-1.77x (1.74), shared prefix 1.03-1.15x (1.15),
+mixed 1.12-1.33x (1.18), TTFT 0.94-0.96x (0.96). float32 keeps its decoder layers plain.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ import torch
 from torch import nn
 
 from .cpu_decode_graph import PACKED_HEAD_DTYPES
-from .cpu_features import amx_tiles
+from .cpu_features import native_bf16
 from .layers.embedding import ParallelLMHead
 from .layers.packed import MIN_MEASURED_WEIGHTS, linear, pack_weight
 
@@ -45,14 +50,15 @@ logger = logging.getLogger(__name__)
 PACKED_HEAD_MAX_SHARE = 0.9
 
 
-# dtypes whose decoder layers are packed beside the graph where the CPU has AMX tiles
+# dtypes whose decoder layers are packed beside the graph where the CPU has native bf16
 PACKED_LAYER_DTYPES = (torch.bfloat16,)
 
 
 def layers_packed(dtype: torch.dtype) -> bool:
     """Whether a runner with the CPU decode graph packs every linear layer, the decoder layers'
-    too (each packed weight its layer's only copy): bf16 on a CPU with AMX tiles."""
-    return dtype in PACKED_LAYER_DTYPES and amx_tiles()
+    too (each packed weight its layer's only copy): bf16 on a CPU with native bf16 (AMX tiles
+    or AVX-512-BF16)."""
+    return dtype in PACKED_LAYER_DTYPES and native_bf16()
 
 
 def head_packed(model: nn.Module, dtype: torch.dtype) -> bool:

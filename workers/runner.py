@@ -94,7 +94,7 @@ class ModelRunner:
             self.model, config.kv_pool, config.tp_size)
         if self.device.type == "cpu" and config.cpu_packed_linear:
             if packing_supported(self.device, dtype):
-                if not use_graph or layers_packed(dtype):  # (bf16 on AMX: graph_head.py)
+                if not use_graph or layers_packed(dtype):  # (native bf16: graph_head.py)
                     pack_linear_layers(self.model, config.max_running_requests)  # the only copy
                 else:  # the graph reads the decoder layers' weights plain
                     if head_packed(self.model, dtype):

@@ -203,7 +203,7 @@ def test_decode_graph_keeps_one_weight_per_linear_layer(
     assert graph_runner.weight_bytes == eager.weight_bytes  # eager: packed, the same bytes
     if not packing_supported(torch.device("cpu"), torch.bfloat16):
         return  # no native bf16 here: bf16 stays plain everywhere
-    monkeypatch.setattr(graph_head, "amx_tiles", lambda: False)  # the layers plain (no AMX)
+    monkeypatch.setattr(graph_head, "native_bf16", lambda: False)  # the layers plain
     m = tiny_models["llama"]
     config = WorkerConfig(str(m.folder), dtype="bfloat16", max_running_requests=4,
                           max_context_len=64, max_total_tokens=256)
@@ -227,13 +227,13 @@ def test_decode_graph_keeps_one_weight_per_linear_layer(
 
 @pytest.mark.skipif(not packing_supported(torch.device("cpu"), torch.bfloat16),
                     reason="no native bf16 on this CPU (avx512_bf16 or amx): bf16 stays plain")
-def test_bf16_layers_packed_on_amx_decode_and_prefill_as_plain_ones(
+def test_bf16_layers_packed_decode_and_prefill_as_plain_ones(
         tiny_models: dict[str, TinyModel], monkeypatch: pytest.MonkeyPatch) -> None:
-    """bf16 on a CPU with AMX (`graph_head.layers_packed`): every linear layer packed, its only
-    copy, and all three graphs (one request, a batch, a prompt step) call oneDNN on them; the
+    """bf16 on a CPU with native bf16 (`graph_head.layers_packed`): every linear layer packed,
+    its only copy, and all three graphs (one request, a batch, a prompt step) call oneDNN on them; the
     tokens and logits are the all-plain graphs' to bf16's rounding."""
     m = tiny_models["llama"]
-    monkeypatch.setattr(graph_head, "amx_tiles", lambda: True)
+    monkeypatch.setattr(graph_head, "native_bf16", lambda: True)
     config = WorkerConfig(str(m.folder), dtype="bfloat16", max_running_requests=4,
                           max_context_len=64, max_total_tokens=256, cpu_decode_graph=True,
                           cpu_step_graph=True)

@@ -1,6 +1,6 @@
 """bf16 products of a few rows on oneDNN's packed weights read in place
 (workers/layers/packed_gemv.py), by each kernel this CPU runs (AMX tiles, 1-32 rows;
-AVX-512-BF16's dot products, 1-2 rows): equal to oneDNN's product and to a float32 product of the
+AVX-512-BF16's dot products, 1-32 rows): equal to oneDNN's product and to a float32 product of the
 same bf16 values within bf16's rounding; more rows stay with oneDNN; a layout the kernels do not
 read is found and left to oneDNN; inside the runner, decode steps of one stream and of a batch
 take them and give the tokens oneDNN's products give."""
@@ -60,8 +60,9 @@ def test_equals_onednn_and_a_float32_product(out_features: int, in_features: int
     real = packed_gemv._run
     try:
         packed_gemv._run = lambda *args: calls.append(args[0].shape[0]) or real(*args)  # type: ignore[assignment]
-        # one and two rows; with the tiles a group of 16, a partial second group, the most
-        for rows in sorted({1, 2, 3, 16, 17, most, most + 1}):
+        # one and two rows; the dot products' groups of four, whole and partial (6: 4 + 2), the
+        # tiles' group of 16 and a partial second one; the most
+        for rows in sorted({1, 2, 3, 6, 16, 17, most, most + 1}):
             x = _bf16(rows, in_features, seed=rows)
             got = packed_product(x, packed, None)
             assert got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
@@ -69,7 +70,7 @@ def test_equals_onednn_and_a_float32_product(out_features: int, in_features: int
             _close(got, x.float() @ weight.float().T)
     finally:
         packed_gemv._run = real  # type: ignore[assignment]
-    assert calls == sorted(r for r in {1, 2, 3, 16, 17, most} if r <= most)  # more: oneDNN's
+    assert calls == sorted(r for r in {1, 2, 3, 6, 16, 17, most} if r <= most)  # more: oneDNN's
 
 
 def test_a_layout_it_does_not_read_stays_with_onednn(monkeypatch: pytest.MonkeyPatch,
@@ -101,7 +102,7 @@ def test_decode_steps_go_through_it_as_through_onednn(
         tiny_models: dict[str, TinyModel], monkeypatch: pytest.MonkeyPatch, kernel: str,
         streams: int) -> None:
     m = tiny_models["llama"]
-    monkeypatch.setattr(graph_head, "amx_tiles", lambda: True)  # every bf16 layer packed
+    monkeypatch.setattr(graph_head, "native_bf16", lambda: True)  # every bf16 layer packed
     runner = ModelRunner(WorkerConfig(str(m.folder), dtype="bfloat16", max_running_requests=4,
                                       max_context_len=256, max_total_tokens=1024,
                                       cpu_decode_graph=True))

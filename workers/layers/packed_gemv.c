@@ -1,7 +1,7 @@
 /* Products of a few rows with a bf16 weight in oneDNN's packed layout (packed.py), read in
    place: y[m, o] = sum_i x[m, i] W[o, i], bf16 in and out, float32 sums, rounded once (to
    nearest even, as oneDNN rounds). Built by workers/native_build.py, called with ctypes
-   (packed_gemv.py). Two kernels: one or two rows with AVX-512-BF16's dot products of pairs
+   (packed_gemv.py). Two kernels: a few rows with AVX-512-BF16's dot products of pairs
    (`packed_gemv_bf16`), and, where the CPU has AMX tiles, up to a few dozen rows on the tiles
    (`packed_amx_bf16`).
 
@@ -50,20 +50,40 @@
                             (__m256i)_mm512_cvtneps_pbh(acc[m][c]));                           \
   } while (0)
 
+/* R rows (x, y at their first) of output block ob with CH vectors of outputs: one function each */
+#define BLOCK_FUNCTION(CH, R)                                                                  \
+  static void block_##CH##_##R(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t ob,  \
+                               int64_t nib, int64_t ic, int64_t oc) {                          \
+    BLOCK_PRODUCT(CH, R);                                                                      \
+  }
+BLOCK_FUNCTION(2, 1)
+BLOCK_FUNCTION(2, 2)
+BLOCK_FUNCTION(2, 3)
+BLOCK_FUNCTION(2, 4)
+BLOCK_FUNCTION(4, 1)
+BLOCK_FUNCTION(4, 2)
+BLOCK_FUNCTION(4, 3)
+BLOCK_FUNCTION(4, 4)
+
+typedef void (*block_fn)(const uint16_t *, const uint16_t *, uint16_t *, int64_t, int64_t,
+                         int64_t, int64_t);
+static const block_fn BLOCKS[2][4] = {{block_2_1, block_2_2, block_2_3, block_2_4},
+                                      {block_4_1, block_4_2, block_4_3, block_4_4}};
+
 /* x [rows, ic] and y [rows, oc] bf16, contiguous; w the packed weight of [oc, ic] with output
-   blocks of `block` (32 or 64); oc a multiple of block, ic of 32; rows 1 or 2 */
+   blocks of `block` (32 or 64); oc a multiple of block, ic of 32. Rows go four at a time
+   through each output block (sixteen sums in registers): the block's weights come from memory
+   for the first four, from the core's cache for the rest. */
 void packed_gemv_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t rows,
                       int64_t oc, int64_t ic, int64_t block, int threads) {
   const int64_t nob = oc / block, nib = ic / 32;
+  const block_fn *fns = BLOCKS[block == 64];
 #pragma omp parallel for schedule(static) num_threads(threads)
-  for (int64_t ob = 0; ob < nob; ob++) {
-    switch ((rows - 1) * 2 + (block == 64)) {
-      case 0: BLOCK_PRODUCT(2, 1); break;
-      case 1: BLOCK_PRODUCT(4, 1); break;
-      case 2: BLOCK_PRODUCT(2, 2); break;
-      default: BLOCK_PRODUCT(4, 2); break;
+  for (int64_t ob = 0; ob < nob; ob++)
+    for (int64_t m0 = 0; m0 < rows; m0 += 4) {
+      const int64_t r = rows - m0 < 4 ? rows - m0 : 4;
+      fns[r - 1](x + m0 * ic, w, y + m0 * oc, ob, nib, ic, oc);
     }
-  }
 }
 
 

@@ -3,15 +3,19 @@
 A decode step multiplies a few rows (one per running stream) by every weight of the model: it
 reads each weight once and is bound by memory. oneDNN's product on its packed bf16 weight
 (packed.py) read SmolLM2-135M's 30 decoder layers at 6.6-11 GB/s on two cores of an AMX Xeon,
-which stream 23 GB/s, whatever the rows from 1 to 32. `packed_gemv.c` reads the same packed
-weights, in oneDNN's own layout, in place:
+which stream 23 GB/s, whatever the rows from 1 to 32; at 19-23 GB/s from 1 to 8 rows on two
+cores of an AMD EPYC Zen 5 (AVX-512-BF16, no AMX; 46 GB/s streamed), 16-17 at 16, 12-14 at 32.
+`packed_gemv.c` reads the same packed weights, in oneDNN's own layout, in place:
 
 - where the CPU has AMX tiles, on the tiles, 1 to `MAX_TILE_ROWS` rows (16 at a time: one read
   of the weight for 16 rows): 0.56-0.77x oneDNN's time from 1 to 32 rows, 0.91x at 48, 1.02x
   at 64 (so 32 at most);
-- elsewhere with AVX-512-BF16's dot products of pairs, one or two rows (`MAX_ROWS`): 0.45-0.66x
-  at one row, 0.72x at two; from three rows on the dot products, not memory, bound it (0.79-0.91x
-  at three and four, 1.04x at eight, 1.5x at sixteen).
+- elsewhere with AVX-512-BF16's dot products of pairs, 1 to `MAX_ROWS` rows, four at a time
+  through each block of 64 outputs (the block from memory for the first four, from the core's
+  cache for the rest). On the Zen 5: 0.71-0.78x oneDNN's time at one row, 0.71-0.85x at two,
+  0.71-0.87x from three to 12, 0.75-0.86x at 16, 0.79-0.85x at 24, 0.84-0.88x at 32, 0.88x at
+  48, 0.82x at 64. (On the AMX Xeon, whose tiles serve instead, the dot products were bound by
+  their own speed from three rows on: 1.04x at eight, 1.5x at sixteen.)
 
 Equal results within bf16's rounding (both sum in float32 and round once). More rows, and
 prompts, keep oneDNN's product on the same packed weight (still the only copy). Measured on 30
@@ -40,7 +44,7 @@ from ..native_build import NativeBuildError, load
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("packed_gemv.c")
-MAX_ROWS = 2  # the dot-product kernel's (packed_gemv.c); more rows take oneDNN's product
+MAX_ROWS = 32  # the dot-product kernel's (packed_gemv.c); more rows take oneDNN's product
 MAX_TILE_ROWS = 32  # the tiles' kernel's
 ENABLED = True  # False: every product takes oneDNN's (benchmarks/path_bench.py compares)
 BLOCKS = (32, 64)  # output rows of a block of oneDNN's AB16b<block>a2b layout
