@@ -8,7 +8,7 @@ from __future__ import annotations
 from raydix.engine.config import EngineConfig, SchedulerConfig
 from raydix.router.policy import RoutingPolicyConfig
 from raydix.workers.config import ModelConfig, WorkerConfig
-from raydix.workers.cpu_features import amx_tiles
+from raydix.workers.cpu_features import native_bf16
 
 from .config import AppConfig
 
@@ -37,18 +37,19 @@ def routing_policy(config: AppConfig) -> RoutingPolicyConfig | None:
 # (max_prefill_tokens, chunked_prefill_size) by device. A step's prompt tokens stall every
 # running stream until the step ends: 8,192 take tens of milliseconds on a GPU but seconds on a
 # CPU, so there a step takes at most about a second: 512 tokens of the default model in fp32,
-# 2,048 in bf16 on AMX tiles (`benchmarks/step_budget_bench.py` measures it)
-STEP_BUDGETS = {"cuda": (8192, 2048), "cpu": (512, 512), "cpu-amx": (2048, 2048)}
+# 2,048 in bf16 where the CPU has native bf16, AMX tiles or AVX-512-BF16
+# (`benchmarks/step_budget_bench.py` measures it; README "The step budget on CPU")
+STEP_BUDGETS = {"cuda": (8192, 2048), "cpu": (512, 512), "cpu-bf16": (2048, 2048)}
 
 
 def step_budget(config: AppConfig, device: str) -> tuple[int, int]:
     """The default (max_prefill_tokens, chunked_prefill_size): `STEP_BUDGETS` for the device;
-    on a CPU with AMX tiles (read here, where the app is built) and a dtype that may be bf16,
+    on a CPU with native bf16 (read here, where the app is built) and a dtype that may be bf16,
     the larger CPU budget."""
     if device.startswith("cuda"):
         return STEP_BUDGETS["cuda"]
-    if config.dtype in ("auto", "bfloat16") and amx_tiles():
-        return STEP_BUDGETS["cpu-amx"]
+    if config.dtype in ("auto", "bfloat16") and native_bf16():
+        return STEP_BUDGETS["cpu-bf16"]
     return STEP_BUDGETS["cpu"]
 
 

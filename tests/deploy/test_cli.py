@@ -138,16 +138,17 @@ def test_engine_config_from_app_config(smollm2: Path) -> None:
 def test_the_step_budget_follows_the_device(smollm2: Path,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """A CPU step of 8,192 prompt tokens lasts seconds, a GPU's tens of milliseconds; on CPU
-    a step takes about a second at most: 512 tokens, or 2,048 where bf16 runs on AMX tiles."""
+    a step takes about a second at most: 512 tokens, or 2,048 where bf16 runs natively (AMX
+    tiles or AVX-512-BF16)."""
     plain, fp32 = AppConfig(model=str(smollm2)), AppConfig(model=str(smollm2), dtype="float32")
 
     def budget(app: AppConfig, device: str) -> tuple[int, int]:
         scheduler = engine_config(app, str(smollm2), device).scheduler
         return scheduler.max_prefill_tokens, scheduler.chunked_prefill_size
 
-    for amx in (False, True):
-        monkeypatch.setattr(engine_settings, "amx_tiles", lambda amx=amx: amx)
-        assert budget(plain, "cpu") == ((2048, 2048) if amx else (512, 512))
+    for native in (False, True):
+        monkeypatch.setattr(engine_settings, "native_bf16", lambda native=native: native)
+        assert budget(plain, "cpu") == ((2048, 2048) if native else (512, 512))
         assert budget(fp32, "cpu") == (512, 512)  # fp32 computes a 2,048-token step for seconds
         assert budget(plain, "cuda") == (8192, 2048)
     explicit = AppConfig(model=str(smollm2), max_prefill_tokens=1024, chunked_prefill_size=256)
