@@ -1,6 +1,6 @@
 """bf16 products of a few rows on oneDNN's packed weights read in place
 (workers/layers/packed_gemv.py), by each kernel this CPU runs (AMX tiles, 1-32 rows;
-AVX-512-BF16's dot products, 1-32 rows): equal to oneDNN's product and to a float32 product of the
+AVX-512-BF16's dot products, 1-128 rows): equal to oneDNN's product and to a float32 product of the
 same bf16 values within bf16's rounding; more rows stay with oneDNN; a layout the kernels do not
 read is found and left to oneDNN; inside the runner, decode steps of one stream and of a batch
 take them and give the tokens oneDNN's products give."""

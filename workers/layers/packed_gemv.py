@@ -13,9 +13,11 @@ cores of an AMD EPYC Zen 5 (AVX-512-BF16, no AMX; 46 GB/s streamed), 16-17 at 16
 - elsewhere with AVX-512-BF16's dot products of pairs, 1 to `MAX_ROWS` rows, four at a time
   through each block of 64 outputs (the block from memory for the first four, from the core's
   cache for the rest). On the Zen 5: 0.71-0.78x oneDNN's time at one row, 0.71-0.85x at two,
-  0.71-0.87x from three to 12, 0.75-0.86x at 16, 0.79-0.85x at 24, 0.84-0.88x at 32, 0.88x at
-  48, 0.82x at 64. (On the AMX Xeon, whose tiles serve instead, the dot products were bound by
-  their own speed from three rows on: 1.04x at eight, 1.5x at sixteen.)
+  0.71-0.87x from three to 12, 0.75-0.86x at 16, 0.79-0.85x at 24, 0.80-0.88x at 32,
+  0.72-0.75x at 48, 0.73-0.74x at 64, 0.86-0.87x at 96, 0.80-0.85x at 128; at 256 and 512 rows
+  (compute, not memory, bounds both) 0.93-0.99x, so up to 128. (On the AMX Xeon, whose tiles
+  serve instead, the dot products were bound by their own speed from three rows on: 1.04x at
+  eight, 1.5x at sixteen.)
 
 Equal results within bf16's rounding (both sum in float32 and round once). More rows, and
 prompts, keep oneDNN's product on the same packed weight (still the only copy). Measured on 30
@@ -44,7 +46,7 @@ from ..native_build import NativeBuildError, load
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("packed_gemv.c")
-MAX_ROWS = 32  # the dot-product kernel's (packed_gemv.c); more rows take oneDNN's product
+MAX_ROWS = 128  # the dot-product kernel's (packed_gemv.c); more rows take oneDNN's product
 MAX_TILE_ROWS = 32  # the tiles' kernel's
 ENABLED = True  # False: every product takes oneDNN's (benchmarks/path_bench.py compares)
 BLOCKS = (32, 64)  # output rows of a block of oneDNN's AB16b<block>a2b layout
