@@ -10,8 +10,8 @@ their scores, softmax and weighted values in one pass, 0.55x that (0.58x for 64 
 512 cached, 0.56x for 512 after 512, 0.71x for 2,048 new tokens; `attention_bench.py`).
 Without AMX (an AMD EPYC Zen 5 with AVX-512-BF16, two cores), the dot products' kernel against
 the row blocks: 0.35x their time at 512 new tokens, 0.25-0.41x for 64-1,024, 0.40-0.48x after a
-512-token prefix, 0.62x for 64 after 2,048 (`attention_bench.py`). The results equal a float32 reference
-as closely as flash's do (float32 scores and sums, the weights rounded to bf16 for their
+512-token prefix, 0.62x for 64 after 2,048 (`attention_bench.py`). The results equal a float32
+reference as closely as flash's do (float32 scores and sums, the weights rounded to bf16 for their
 product with the values, the output rounded once).
 
 Built at first use: the tiles' kernel where the CPU has AMX and Linux grants the tiles
