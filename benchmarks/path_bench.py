@@ -9,9 +9,10 @@ with / without (TTFT: lower is better). The paths (`--path`):
 - `row-blocks`: bf16 extend attention as row blocks of products (workers/attention/
   block_causal.py) or torch's flash kernel (the backend's `block_causal` set or cleared; the
   AMX kernel off on both sides);
-- `bf16-extend`: bf16 extend attention in its kernel (workers/attention/extend_bf16.py: on the
-  AMX tiles, else AVX-512-BF16 dot products) or the path the CPU takes without it (torch's
-  flash kernel with AMX, the row blocks without) (the backend's `bf16_extend` set or cleared);
+- `extend-kernel`: extend attention in its kernel (workers/attention/extend_kernel.py: bf16 on
+  the AMX tiles, else AVX-512-BF16 dot products; float32 as AVX-512 multiply-adds) or the path
+  the CPU takes without it (torch's flash kernel with AMX or in float32, the bf16 row blocks
+  without AMX) (the backend's `extend_kernel` set or cleared);
 - `packed-gemv`: bf16 products of a few rows (1-32 with AMX tiles, else 1-2) on the packed
   weights read in place (workers/layers/packed_gemv.py) or by oneDNN (`packed_gemv.ENABLED`).
 
@@ -19,7 +20,7 @@ On a machine whose pace moves between processes and hours (this project's 2-core
 and more), runs in one process alternated side by side compare the two paths more steadily
 than `engine_bench.py --against`, which starts a process a run.
 
-    python benchmarks/path_bench.py [--path step-graph|row-blocks|bf16-extend|packed-gemv]
+    python benchmarks/path_bench.py [--path step-graph|row-blocks|extend-kernel|packed-gemv]
                                     [--dtype bfloat16|float32]
                                     [--rounds 3] [--threads 2]
 
@@ -41,16 +42,16 @@ from raydix.engine.config import EngineConfig, SchedulerConfig
 from raydix.engine.engine import Engine
 from raydix.engine.request import GenerationParams
 from raydix.workers import cpu_step_graph
-from raydix.workers.attention import block_causal, extend_bf16
+from raydix.workers.attention import block_causal, extend_kernel
 from raydix.workers.config import WorkerConfig
 from raydix.workers.gguf_convert import default_model_folder
 from raydix.workers.layers import packed_gemv
 
 WORKLOADS = ("one stream", "four streams", "lone prompt", "shared prefix", "mixed")
-PATHS = ("step-graph", "row-blocks", "bf16-extend", "packed-gemv")
+PATHS = ("step-graph", "row-blocks", "extend-kernel", "packed-gemv")
 DEFAULT_WORKLOADS = {"step-graph": ("lone prompt", "shared prefix", "mixed"),
                      "row-blocks": ("lone prompt", "shared prefix", "mixed"),
-                     "bf16-extend": ("lone prompt", "shared prefix", "mixed"),
+                     "extend-kernel": ("lone prompt", "shared prefix", "mixed"),
                      "packed-gemv": ("one stream", "four streams", "shared prefix", "mixed")}
 
 
@@ -87,24 +88,26 @@ def main() -> None:
     graph = runner.step_graph
     if args.path == "step-graph" and graph is None:
         raise SystemExit("no CPU step graph for this model and config")
-    if args.path in ("row-blocks", "bf16-extend", "packed-gemv") and args.dtype != "bfloat16":
+    if args.path in ("row-blocks", "packed-gemv") and args.dtype != "bfloat16":
         raise SystemExit(f"{args.path} runs in bf16 only")
     if args.path == "packed-gemv" and not packed_gemv.warm_up():
         raise SystemExit("no packed-weight kernel on this CPU (AVX-512-BF16)")
-    if args.path == "bf16-extend" and not extend_bf16.available():
-        raise SystemExit("no bf16 extend kernel here (no AMX tiles granted, no AVX-512-BF16)")
+    if args.path == "extend-kernel" and not extend_kernel.available(dtype=getattr(torch,
+                                                                                   args.dtype)):
+        raise SystemExit(f"no {args.dtype} extend kernel here (bf16: no AMX tiles granted, no "
+                         f"AVX-512-BF16; float32: no AVX-512)")
     block_causal.warm_up()
-    served_kernel = runner.backend.bf16_extend
+    served_kernel = runner.backend.extend_kernel
     if args.path == "row-blocks":
-        runner.backend.bf16_extend = False  # the row blocks against torch's flash kernel
+        runner.backend.extend_kernel = False  # the row blocks against torch's flash kernel
 
     def take(side: str) -> None:
         if args.path == "step-graph":
             runner.step_graph = graph if side == "with" else None
         elif args.path == "row-blocks":
             runner.backend.block_causal = side == "with"
-        elif args.path == "bf16-extend":
-            runner.backend.bf16_extend = side == "with"
+        elif args.path == "extend-kernel":
+            runner.backend.extend_kernel = side == "with"
         else:
             packed_gemv.ENABLED = side == "with"
 
@@ -122,7 +125,7 @@ def main() -> None:
                 seed += 1
                 sides[side].append(run(engine, workload, vocab, seed))
         runner.step_graph, runner.backend.block_causal = graph, served
-        runner.backend.bf16_extend = served_kernel and args.path != "row-blocks"
+        runner.backend.extend_kernel = served_kernel and args.path != "row-blocks"
         packed_gemv.ENABLED = True
         ratios = np.array(sides["with"]) / np.array(sides["without"])
         unit = "s" if workload == "lone prompt" else "tok/s"

@@ -23,6 +23,12 @@ def native_bf16() -> bool:
 
 
 @functools.cache
+def avx512() -> bool:
+    """The CPU has AVX-512 (F, BW, VL, DQ as torch checks them): 16-float vectors."""
+    return bool(torch.cpu._is_avx512_supported())
+
+
+@functools.cache
 def avx512_bf16() -> bool:
     """The CPU has AVX-512-BF16: dot products of bf16 pairs into float32 lanes."""
     return bool(torch.cpu._is_avx512_bf16_supported())

@@ -4,9 +4,10 @@ Single-token requests (decode) are attended in padded batches: on CPU those that
 prefix through cascade groups (cascade.py), the rest in at most two batches split by length
 (`split_by_length`), so that a few long requests do not pad every short one to their length.
 Multi-token requests (extend) run one request at a time, with a causal mask shifted by the
-request's prefix length; on CPU in bf16, plain causal layers' extends run in a kernel of their
-own (extend_bf16.py: on the AMX tiles, else as AVX-512-BF16 dot products) where the CPU has
-either, else as row blocks of matrix products (block_causal.py).
+request's prefix length; on CPU, plain causal layers' extends run in a kernel of their own
+(extend_kernel.py: bf16 on the AMX tiles, else as AVX-512-BF16 dot products; float32 as AVX-512
+multiply-adds) where the CPU has one, else in bf16 as row blocks of matrix products
+(block_causal.py).
 Windowed layers (`LayerAttention.window`) mask the
 keys before their window; layers with a logit soft cap compute their scores explicitly.
 Cascades serve models whose layers are all plain. Extend attention runs through the SDPA
@@ -29,7 +30,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..cpu_features import amx_tiles
 from ..kv_pool import KVPool
-from . import extend_bf16
+from . import extend_kernel
 from .base import AttentionBackend, ForwardBatch, LayerAttention
 from .block_causal import block_causal_attention, blocks_faster
 from .cascade import CascadeBatch, cascade_attention, find_groups
@@ -82,10 +83,11 @@ class TorchAttentionBackend(AttentionBackend):
         # where the CPU has no AMX tiles: with them torch's kernel runs its products on the
         # tiles and takes half the row blocks' time (block_causal.py)
         self.block_causal = not amx_tiles()
-        # and where the CPU has AMX tiles or AVX-512-BF16 through the kernel on them
-        # (extend_bf16.py): 0.55-0.71x flash's time on the tiles, and against the row blocks
-        # see extend_bf16.py (tests and benchmarks/path_bench.py compare)
-        self.bf16_extend = self.device.type == "cpu" and extend_bf16.available()
+        # and where the CPU has AMX tiles or AVX-512-BF16 (bf16) or AVX-512 (float32) through
+        # the kernel on them (extend_kernel.py): 0.55-0.71x flash's time on the tiles, against
+        # the row blocks and float32's flash see extend_kernel.py (tests and
+        # benchmarks/path_bench.py compare); the kernels are built at their first extend
+        self.extend_kernel = self.device.type == "cpu"
 
     def prepare(self, batch: ForwardBatch) -> None:
         self._out_cache_loc = batch.out_cache_loc
@@ -178,9 +180,9 @@ class TorchAttentionBackend(AttentionBackend):
                 ke = _gather(k_buf, e.rows).view(shape).to(q.dtype)  # [Hk, L, D]
                 ve = _gather(v_buf, e.rows).view(shape).to(q.dtype)
                 if self._in_kernel(q, attn):
-                    extend_bf16.attention(q[e.token_start: e.token_start + e.extend_len], ke, ve,
-                                          attn.softmax_scale(self.head_dim),
-                                          out[e.token_start: e.token_start + e.extend_len])
+                    extend_kernel.attention(q[e.token_start: e.token_start + e.extend_len], ke,
+                                            ve, attn.softmax_scale(self.head_dim),
+                                            out[e.token_start: e.token_start + e.extend_len])
                     continue
                 if self._blocks_faster(q, attn, ke.shape[1]):
                     out[e.token_start: e.token_start + e.extend_len] = block_causal_attention(
@@ -205,10 +207,10 @@ class TorchAttentionBackend(AttentionBackend):
         return out.view(q.shape[0], -1)
 
     def _in_kernel(self, q: torch.Tensor, attn: LayerAttention) -> bool:
-        """This extend's attention runs in the bf16 kernel (extend_bf16.py): plain causal
-        layers (no window, no soft cap) whose queries the kernel takes."""
-        return (self.bf16_extend and not attn.window and not attn.logit_softcap
-                and extend_bf16.serves(q, self.num_kv_heads))
+        """This extend's attention runs in a kernel (extend_kernel.py): plain causal layers (no
+        window, no soft cap) whose queries a kernel takes."""
+        return (self.extend_kernel and not attn.window and not attn.logit_softcap
+                and extend_kernel.serves(q, self.num_kv_heads))
 
     def _blocks_faster(self, q: torch.Tensor, attn: LayerAttention, num_keys: int) -> bool:
         """This extend's attention runs as row blocks of bf16 products (block_causal.py):

@@ -1,8 +1,10 @@
 /* Causal attention of a request's new tokens (a prompt or a chunk of one, after `prefix` keys
-   already in the cache) in bf16: out = softmax(q k^T * scale, causal) v, float32 scores and
-   sums, the weights rounded to bf16 for their product with v (as torch's flash kernel does).
-   Built by workers/native_build.py, called with ctypes (extend_bf16.py). TILES=1 builds the
-   products on AMX tiles, TILES=0 as AVX-512-BF16 dot products (CPUs without AMX).
+   already in the cache): out = softmax(q k^T * scale, causal) v, float32 scores and sums.
+   Built by workers/native_build.py, called with ctypes (extend_kernel.py), as one of three
+   kinds: TILES=1 bf16 with the products on AMX tiles; TILES=0 bf16 as AVX-512-BF16 dot
+   products (CPUs without AMX); F32=1 float32 as AVX-512 multiply-adds. In bf16 the weights are
+   rounded to bf16 for their product with v (as torch's flash kernel does); in float32
+   everything stays float32.
 
    q [n, hq, d] and out [n, hq, d]; k and v [hk, L, d] (L = prefix + n), head h of the queries
    reads head h / (hq / hk) of the keys. Each task is 16 query rows of one head (the last rows
@@ -11,10 +13,11 @@
    the values summed into 16 x d floats. Keys come in chunks of 512: the running maximum and
    sum rescale the sums between chunks (online softmax).
 
-   Both kinds of product read their second operand as pairs of rows side by side (the "VNNI"
+   The bf16 products read their second operand as pairs of rows side by side (the "VNNI"
    layout: a 32-bit lane holds two bf16 of the same column), so k and v are rearranged once per
    call, per key head: k as 16-key blocks of dim pairs (kt), v as key pairs of dims (vt), both
-   padded with zero keys to a multiple of 64. */
+   padded with zero keys to a multiple of 64. In float32 k is rearranged as 16-key blocks of
+   dims (a dim of 16 keys in one vector) and v is read where it is, key by key. */
 
 #include <immintrin.h>
 #include <stdint.h>
@@ -26,8 +29,11 @@
 #if TILES && (!defined(__AMX_TILE__) || !defined(__AMX_BF16__) || !defined(__AVX512BF16__))
 #error "the tiles' attention needs AMX-BF16"
 #endif
-#if !TILES && !defined(__AVX512BF16__)
+#if !TILES && !F32 && !defined(__AVX512BF16__)
 #error "the dot products' attention needs AVX-512-BF16"
+#endif
+#if F32 && (TILES || !defined(__AVX512F__))
+#error "the float32 attention needs AVX-512 and no tiles"
 #endif
 
 #define QB 16  /* query rows a task */
@@ -55,6 +61,23 @@ static void configure(void) {
 
 #endif
 
+#if F32
+typedef float elem; /* q, k, v, out and the softmax's weights */
+typedef float key_block; /* kt's lanes */
+
+/* kt[(j * d + c) * 16 + key] = k[j * 16 + key][c]; zero past L */
+static void pack_k(const float *k, int64_t L, int64_t lp, int64_t d, float *kt) {
+  for (int64_t j = 0; j < lp / 16; j++)
+    for (int64_t key = 0; key < 16; key++) {
+      const int64_t row = j * 16 + key;
+      for (int64_t c = 0; c < d; c++) kt[(j * d + c) * 16 + key] = row < L ? k[row * d + c] : 0.f;
+    }
+}
+
+#else
+typedef uint16_t elem;
+typedef uint32_t key_block;
+
 /* kt[(j * d/2 + p) * 16 + key] (32-bit pairs) = k[j * 16 + key][2p, 2p + 1]; zero past L */
 static void pack_k(const uint16_t *k, int64_t L, int64_t lp, int64_t d, uint32_t *kt) {
   const int64_t pairs = d / 2;
@@ -78,7 +101,70 @@ static void pack_v(const uint16_t *v, int64_t L, int64_t lp, int64_t d, uint16_t
   }
 }
 
-#if TILES
+#endif
+
+#if F32 /* four query rows against four 16-key blocks (or 64 dims) at a time, sixteen sums in
+           registers */
+
+static void scores(const float *qpad, const float *kt, int64_t c0, int64_t cnp, int64_t d,
+                   float *s) {
+  const float *kc = kt + (c0 / 16) * d * 16; /* the chunk's first key block */
+  for (int64_t j = 0; j < cnp / 16; j += 4) {
+    const float *kb = kc + j * d * 16;
+    for (int64_t r = 0; r < QB; r += 4) {
+      __m512 acc[4][4];
+#pragma GCC unroll 4
+      for (int rr = 0; rr < 4; rr++)
+#pragma GCC unroll 4
+        for (int b = 0; b < 4; b++) acc[rr][b] = _mm512_setzero_ps();
+      for (int64_t c = 0; c < d; c++) {
+        __m512 kv[4];
+#pragma GCC unroll 4
+        for (int b = 0; b < 4; b++) kv[b] = _mm512_load_ps(kb + (b * d + c) * 16);
+#pragma GCC unroll 4
+        for (int rr = 0; rr < 4; rr++) {
+          const __m512 qv = _mm512_set1_ps(qpad[(r + rr) * d + c]);
+#pragma GCC unroll 4
+          for (int b = 0; b < 4; b++) acc[rr][b] = _mm512_fmadd_ps(qv, kv[b], acc[rr][b]);
+        }
+      }
+#pragma GCC unroll 4
+      for (int rr = 0; rr < 4; rr++)
+#pragma GCC unroll 4
+        for (int b = 0; b < 4; b++) _mm512_store_ps(s + ((j + b) * 16 + r + rr) * 16, acc[rr][b]);
+    }
+  }
+}
+
+/* o[16][d] += p[16][0, cn) v[c0 .. c0 + cn] (v [L, d] of one key head, read in place) */
+static void weigh(const float *p, const float *v, int64_t c0, int64_t cn, int64_t d, float *o) {
+  for (int64_t dg = 0; dg < d; dg += 64)
+    for (int64_t r = 0; r < QB; r += 4) {
+      __m512 acc[4][4];
+#pragma GCC unroll 4
+      for (int rr = 0; rr < 4; rr++)
+#pragma GCC unroll 4
+        for (int b = 0; b < 4; b++) acc[rr][b] = _mm512_loadu_ps(o + (r + rr) * d + dg + 16 * b);
+      for (int64_t key = 0; key < cn; key++) {
+        const float *vb = v + (c0 + key) * d + dg;
+        __m512 vv[4];
+#pragma GCC unroll 4
+        for (int b = 0; b < 4; b++) vv[b] = _mm512_loadu_ps(vb + 16 * b);
+#pragma GCC unroll 4
+        for (int rr = 0; rr < 4; rr++) {
+          const __m512 pv = _mm512_set1_ps(p[(r + rr) * KC + key]);
+#pragma GCC unroll 4
+          for (int b = 0; b < 4; b++) acc[rr][b] = _mm512_fmadd_ps(pv, vv[b], acc[rr][b]);
+        }
+      }
+#pragma GCC unroll 4
+      for (int rr = 0; rr < 4; rr++)
+#pragma GCC unroll 4
+        for (int b = 0; b < 4; b++) _mm512_storeu_ps(o + (r + rr) * d + dg + 16 * b, acc[rr][b]);
+    }
+}
+
+#elif TILES
 /* the scores of 16 query rows (qpad) against keys c0 .. c0 + cnp of kt, each 16 keys' tile
    stored whole: s[(j * 16 + row) * 16 + key] for key block j. The query's tiles stay loaded;
    64 dims take 64 keys a round (four sums in flight), 128 dims 32 keys. */
@@ -220,19 +306,39 @@ static void weigh(const uint16_t *p, const uint16_t *vt, int64_t c0, int64_t cnp
 }
 #endif
 
-/* e^x for x <= 0, 16 at a time: 2^(x log2 e) as a degree-4 polynomial of the fraction (2.7e-6
-   relative error, far below the weights' bf16 rounding), scaled by 2 to the integer part
-   (scalef: 0 far below the float range, so no clamp) */
+/* e^x for x <= 0, 16 at a time: 2^(x log2 e) as a polynomial of the fraction, scaled by 2 to
+   the integer part (scalef: 0 far below the float range, so no clamp). bf16: degree 4 (2.7e-6
+   relative error, far below the weights' bf16 rounding); float32: native_math.h's degree 6
+   (about 1e-7, float32's own rounding) */
 static inline __m512 exp16(__m512 x) {
   const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
   const __m512 i = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(t, i);
+#if F32
+  __m512 p = _mm512_set1_ps(EXP2_C6);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_C5));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_C4));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_C3));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_C2));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_C1));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_C0));
+#else
   __m512 p = _mm512_set1_ps(1.353560854e-2f);
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.201292971e-2f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.414383998e-1f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.930057245e-1f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.000002445f));
+#endif
   return _mm512_scalef_ps(p, i);
+}
+
+/* 16 floats into elements at `dst` (bf16 rounded to nearest even) */
+static inline void store16(elem *dst, __m512 x) {
+#if F32
+  _mm512_storeu_ps(dst, x);
+#else
+  _mm256_storeu_si256((__m256i *)dst, (__m256i)_mm512_cvtneps_pbh(x));
+#endif
 }
 
 /* the first `lim` of 16 lanes */
@@ -241,12 +347,12 @@ static inline __mmask16 first(int64_t lim) {
 }
 
 /* one row's softmax over `lim` valid scores of cnp (the row's 16 scores of key block j at
-   s + j * 256): weights into p (bf16, zero past lim), the running maximum m and sum l updated,
-   the row's sums so far (o, d floats) rescaled */
-static void softmax_row(const float *s, int64_t lim, int64_t cnp, float scale, uint16_t *p,
+   s + j * 256): weights into p (zero past lim), the running maximum m and sum l updated, the
+   row's sums so far (o, d floats) rescaled */
+static void softmax_row(const float *s, int64_t lim, int64_t cnp, float scale, elem *p,
                         float *m, float *l, float *o, int64_t d) {
   if (lim <= 0) {
-    memset(p, 0, cnp * 2);
+    memset(p, 0, cnp * sizeof(elem));
     return;
   }
   __m512 vmax = _mm512_set1_ps(LOWEST);
@@ -262,9 +368,9 @@ static void softmax_row(const float *s, int64_t lim, int64_t cnp, float scale, u
     const __m512 w = _mm512_maskz_mov_ps(
         first(lim - t), exp16(_mm512_fmsub_ps(_mm512_load_ps(s + t * 16), vscale, vm)));
     vsum = _mm512_add_ps(vsum, w);
-    _mm256_storeu_si256((__m256i *)(p + t), (__m256i)_mm512_cvtneps_pbh(w));
+    store16(p + t, w);
   }
-  for (; t < cnp; t += 16) _mm256_storeu_si256((__m256i *)(p + t), _mm256_setzero_si256());
+  for (; t < cnp; t += 16) store16(p + t, _mm512_setzero_ps());
   *l = *l * alpha + _mm512_reduce_add_ps(vsum);
   *m = m_new;
   if (alpha != 1.f)
@@ -272,41 +378,53 @@ static void softmax_row(const float *s, int64_t lim, int64_t cnp, float scale, u
       _mm512_storeu_ps(o + c, _mm512_mul_ps(_mm512_loadu_ps(o + c), _mm512_set1_ps(alpha)));
 }
 
-void extend_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, uint16_t *out,
-                          int64_t n, int64_t L, int64_t hq, int64_t hk, int64_t d, float scale,
-                          int threads) {
+void extend_attention(const elem *q, const elem *k, const elem *v, elem *out, int64_t n,
+                      int64_t L, int64_t hq, int64_t hk, int64_t d, float scale, int threads) {
   const int64_t lp = (L + 63) / 64 * 64, prefix = L - n, group = hq / hk;
   const int64_t nqb = (n + QB - 1) / QB;
-  uint32_t *kt = aligned_alloc(64, (size_t)(hk * lp * d * 2));
+  /* the keys rearranged (k's bytes, padded to lp keys); bf16 the values too */
+  const int64_t k_lanes = lp * d * (int64_t)sizeof(elem) / (int64_t)sizeof(key_block);
+  key_block *kt = aligned_alloc(64, (size_t)(hk * lp * d) * sizeof(elem));
+#if F32
+  const float *vt = v;
+  const int64_t v_stride = L * d;
+#else
   uint16_t *vt = aligned_alloc(64, (size_t)(hk * lp * d * 2));
+  const int64_t v_stride = lp * d;
+#endif
 #pragma omp parallel num_threads(threads)
   {
+#if F32
+#pragma omp for schedule(static)
+    for (int64_t h = 0; h < hk; h++) pack_k(k + h * L * d, L, lp, d, kt + h * k_lanes);
+#else
 #pragma omp for schedule(static)
     for (int64_t h = 0; h < 2 * hk; h++) {
       if (h < hk)
-        pack_k(k + h * L * d, L, lp, d, kt + h * lp * d / 2);
+        pack_k(k + h * L * d, L, lp, d, kt + h * k_lanes);
       else
-        pack_v(v + (h - hk) * L * d, L, lp, d, vt + (h - hk) * lp * d);
+        pack_v(v + (h - hk) * L * d, L, lp, d, vt + (h - hk) * v_stride);
     }
+#endif
 #if TILES
     configure();
 #endif
     float *s = aligned_alloc(64, QB * KC * 4);
-    uint16_t *p = aligned_alloc(64, QB * KC * 2);
+    elem *p = aligned_alloc(64, QB * KC * sizeof(elem));
     float *o = aligned_alloc(64, (size_t)(QB * d * 4));
-    uint16_t *qpad = aligned_alloc(64, (size_t)(QB * d * 2));
+    elem *qpad = aligned_alloc(64, (size_t)(QB * d) * sizeof(elem));
     float m[QB], l[QB];
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < nqb * hq; task++) {
       const int64_t qb = nqb - 1 - task / hq, head = task % hq, kvh = head / group;
       const int64_t i0 = qb * QB, rows = n - i0 < QB ? n - i0 : QB;
-      const uint32_t *ktk = kt + kvh * lp * d / 2;
-      const uint16_t *vtk = vt + kvh * lp * d;
+      const key_block *ktk = kt + kvh * k_lanes;
+      const elem *vtk = vt + kvh * v_stride;
       for (int64_t r = 0; r < QB; r++) {
         if (r < rows)
-          memcpy(qpad + r * d, q + ((i0 + r) * hq + head) * d, d * 2);
+          memcpy(qpad + r * d, q + ((i0 + r) * hq + head) * d, d * sizeof(elem));
         else
-          memset(qpad + r * d, 0, d * 2);
+          memset(qpad + r * d, 0, d * sizeof(elem));
         m[r] = LOWEST;
         l[r] = 0.f;
       }
@@ -320,16 +438,17 @@ void extend_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t 
           const int64_t lim = r >= rows ? 0 : (seen < cn ? seen : cn);
           softmax_row(s + r * 16, lim, cnp, scale, p + r * KC, m + r, l + r, o + r * d, d);
         }
+#if F32
+        weigh(p, vtk, c0, cn, d, o); /* v read in place: only the chunk's keys */
+#else
         weigh(p, vtk, c0, cnp, d, o);
+#endif
       }
       for (int64_t r = 0; r < rows; r++) {
-        const float inv = 1.f / l[r];
-        uint16_t *dst = out + ((i0 + r) * hq + head) * d;
+        const __m512 inv = _mm512_set1_ps(1.f / l[r]);
+        elem *dst = out + ((i0 + r) * hq + head) * d;
         for (int64_t c = 0; c < d; c += 16)
-          _mm256_storeu_si256(
-              (__m256i *)(dst + c),
-              (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(o + r * d + c),
-                                                        _mm512_set1_ps(inv))));
+          store16(dst + c, _mm512_mul_ps(_mm512_loadu_ps(o + r * d + c), inv));
       }
     }
 #if TILES
@@ -341,5 +460,7 @@ void extend_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t 
     free(qpad);
   }
   free(kt);
+#if !F32
   free(vt);
+#endif
 }
