@@ -24,8 +24,6 @@ than `engine_bench.py --against`, which starts a process a run.
                                     [--dtype bfloat16|float32]
                                     [--rounds 3] [--threads 2]
 
-(raydix serves the step graph in bf16 only, `cpu_step_graph.STEP_DTYPES`; `--dtype float32`
-builds it anyway, to measure it.)
 """
 
 from __future__ import annotations
@@ -41,7 +39,6 @@ from _against import drive, requests
 from raydix.engine.config import EngineConfig, SchedulerConfig
 from raydix.engine.engine import Engine
 from raydix.engine.request import GenerationParams
-from raydix.workers import cpu_step_graph
 from raydix.workers.attention import block_causal, extend_kernel
 from raydix.workers.config import WorkerConfig
 from raydix.workers.gguf_convert import default_model_folder
@@ -77,8 +74,6 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     folder = default_model_folder()
     vocab = int(json.loads((folder / "config.json").read_text())["vocab_size"])
-    # the graph in either dtype, served or not (float32 is not: `cpu_step_graph.STEP_DTYPES`)
-    cpu_step_graph.STEP_DTYPES = (torch.bfloat16, torch.float32)
     worker = WorkerConfig(model_path=str(folder), dtype=args.dtype, max_total_tokens=40_000,
                           cpu_memory_budget_bytes=8 << 30, cpu_decode_graph=True,
                           cpu_step_graph=True)

@@ -14,7 +14,7 @@ the step as before (`TorchAttentionBackend.prepare`: decode tokens on the pages,
 prompts in row blocks), so a step of prompts and decode tokens together runs as one.
 
 Models served: those the decode graph serves (`cpu_decode_graph.eligible`: the Llama family at
-tp 1, plain layers, the default pool), with the torch attention backend, in bf16
+tp 1, plain layers, the default pool), with the torch attention backend, in bf16 and float32
 (`STEP_DTYPES`). Steps of a single
 token run eagerly (dynamo would specialize a dimension of size one).
 
@@ -46,12 +46,15 @@ MIN_TOKENS = 2
 WARM_UP_TOKENS = 64
 
 # dtypes whose prompt steps run the step graph. `benchmarks/path_bench.py --path step-graph` (SmolLM2-135M,
-# two threads, an Intel Xeon with AMX, four rounds, step graph / eager, median and range): bf16
-# TTFT of a lone 512-token prompt 0.82x (0.76-0.84), shared prefix 1.10x (1.04-1.12), mixed
+# two threads, four rounds, step graph / eager, median and range): on an Intel Xeon with AMX,
+# bf16 TTFT of a lone 512-token prompt 0.82x (0.76-0.84), shared prefix 1.10x (1.04-1.12), mixed
 # 1.30x (1.01-1.80); float32 TTFT 0.95x (0.91-0.99), shared prefix 1.04x (0.93-1.08), mixed
-# 0.92x (0.84-1.14): its products are most of a float32 prompt, and the graph's start-up (2.5-3
-# s a start) buys nothing certain there
-STEP_DTYPES = (torch.bfloat16,)
+# 0.92x (0.84-1.14). On an AMD EPYC Zen 5, float32 with its prompt attention in the kernel
+# (attention/extend_kernel.py), two runs: TTFT 0.91x (0.85-0.99) and 0.89x (0.84-0.92), shared
+# prefix 1.05x (0.95-1.18) and 1.05x (1.01-1.07), mixed 1.14x (1.09-1.39) and 1.02x (1.01-1.25);
+# so float32 takes it too, for about 3 s more at a start (dynamo's trace; inductor's code is
+# cached on disk)
+STEP_DTYPES = (torch.bfloat16, torch.float32)
 
 
 def serves(dtype: torch.dtype) -> bool:

@@ -24,12 +24,6 @@ LONG = 150  # a prompt this long takes the bf16 row-block attention (block_causa
 # where the CPU has no AMX tiles (patched so below: with them, the flash kernel, as float32's)
 
 
-@pytest.fixture(autouse=True)
-def float32_too(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The graph in float32 as well (served in bf16 only: `STEP_DTYPES`), where it is exact."""
-    monkeypatch.setattr(cpu_step_graph, "STEP_DTYPES", (torch.bfloat16, torch.float32))
-
-
 def _runner(m: TinyModel, graphs: bool, dtype: str) -> ModelRunner:
     return ModelRunner(WorkerConfig(str(m.folder), dtype=dtype, max_running_requests=6,
                                     max_context_len=256, max_total_tokens=1024,
@@ -121,9 +115,9 @@ def test_one_token_steps_run_eagerly(tiny_models: dict[str, TinyModel],
                                atol=1e-4, rtol=0)
 
 
-def test_float32_is_served_without_the_step_graph(tiny_models: dict[str, TinyModel],
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.undo()  # `STEP_DTYPES` as served
+def test_both_dtypes_are_served_with_the_step_graph(tiny_models: dict[str, TinyModel]) -> None:
     m = tiny_models["llama"]
-    assert _runner(m, True, "float32").step_graph is None
+    assert cpu_step_graph.serves(torch.float32) and cpu_step_graph.serves(torch.bfloat16)
+    assert _runner(m, True, "float32").step_graph is not None
     assert _runner(m, True, "bfloat16").step_graph is not None
+    assert _runner(m, False, "float32").step_graph is None  # without the graphs, eager
