@@ -150,6 +150,27 @@ def test_shared_prefixes_in_bf16() -> None:
     assert (got.float() - want.to(torch.bfloat16).float()).abs().max() <= 2 ** -7
 
 
+# bf16 at head sizes of 32-dim multiples: the keys' and values' own dot products (AVX-512-BF16,
+# where the CPU has it): 3 queries a KV head (each query's value sums in registers, 12 of 16),
+# 4, 8 (two rounds of 4), 128 dims with 3 (rounds of 2, the last repeating one), 32 dims; lengths
+# odd and even across blocks of 32, and shared prefixes with each member's own keys after them
+@pytest.mark.parametrize(("hk", "g", "d"), [(3, 3, 64), (2, 4, 64), (1, 8, 64), (2, 3, 128),
+                                            (2, 2, 32)])
+def test_bf16_at_the_dot_products_head_sizes(hk: int, g: int, d: int) -> None:
+    kernel = _kernel(hk, d, g, torch.bfloat16)
+    for q, k_buf, v_buf, slots, lens in (
+            _case(5, 33, torch.bfloat16, d + g, hk, g, d),
+            _case(3, 301, torch.bfloat16, d + g + 1, hk, g, d),
+            _shared_case([(4, 64), (1, 0), (3, 97)], 171, torch.bfloat16, d + g + 2, hk, g, d)):
+        lens[1] = 1  # a single key
+        got = kernel(q, k_buf, v_buf, slots, lens)
+        want = _per_request(q, k_buf, v_buf, slots, lens)
+        assert got.dtype == torch.bfloat16
+        # the float64 result rounded to bf16, met but for an ulp (the weights' bf16 rounding
+        # in their product with the values stays below it)
+        assert (got.float() - want.to(torch.bfloat16).float()).abs().max() <= 2 ** -7
+
+
 def test_paged_decode_bf16_pool() -> None:
     kernel = _kernel(HK, D, G, torch.bfloat16)
     q, k_buf, v_buf, slots, lens = _case(6, 50, torch.bfloat16, 3)
