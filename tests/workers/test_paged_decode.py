@@ -153,7 +153,8 @@ def test_shared_prefixes_in_bf16() -> None:
 # bf16 at head sizes of 32-dim multiples: the keys' and values' own dot products (AVX-512-BF16,
 # where the CPU has it): 3 queries a KV head (each query's value sums in registers, 12 of 16),
 # 4, 8 (two rounds of 4), 128 dims with 3 (rounds of 2, the last repeating one), 32 dims; lengths
-# odd and even across blocks of 32, and shared prefixes with each member's own keys after them
+# odd and even across blocks of 32, and shared prefixes (their passes' many queries in rounds)
+# with each member's own keys after them, more members than one pass takes
 @pytest.mark.parametrize(("hk", "g", "d"), [(3, 3, 64), (2, 4, 64), (1, 8, 64), (2, 3, 128),
                                             (2, 2, 32)])
 def test_bf16_at_the_dot_products_head_sizes(hk: int, g: int, d: int) -> None:
@@ -161,7 +162,8 @@ def test_bf16_at_the_dot_products_head_sizes(hk: int, g: int, d: int) -> None:
     for q, k_buf, v_buf, slots, lens in (
             _case(5, 33, torch.bfloat16, d + g, hk, g, d),
             _case(3, 301, torch.bfloat16, d + g + 1, hk, g, d),
-            _shared_case([(4, 64), (1, 0), (3, 97)], 171, torch.bfloat16, d + g + 2, hk, g, d)):
+            _shared_case([(4, 64), (1, 0), (3, 97)], 171, torch.bfloat16, d + g + 2, hk, g, d),
+            _shared_case([(13, 40)], 90, torch.bfloat16, d + g + 3, hk, g, d)):  # > a pass
         lens[1] = 1  # a single key
         got = kernel(q, k_buf, v_buf, slots, lens)
         want = _per_request(q, k_buf, v_buf, slots, lens)

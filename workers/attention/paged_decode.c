@@ -7,7 +7,9 @@
    keys are taken BLOCK at a time: scores, then an online softmax (running maximum and sum, the
    accumulator rescaled when the maximum grows), then the values weighted into the accumulator.
    Each key and value row is read from its page once; float32 inside, bf16 or float32 in and
-   out (bf16 rounded to nearest even, as torch rounds). A request's slots are scattered over the
+   out (bf16 rounded to nearest even, as torch rounds). In bf16 on a CPU with AVX-512-BF16 (and
+   HEAD_DIM a multiple of 32) the products are dot products of bf16 pairs on the rows as they
+   lie (`pass_keys_dot`), the weights rounded to bf16 for their product with the values. A request's slots are scattered over the
    pool once the cache has freed and reused them, so the rows of the next block of keys and of
    this block's values are prefetched while the scores are computed (30 layers' pools, cold
    caches, slots at random: 16 requests of 420 keys 815 against 1,062 us a layer; slots in
@@ -194,32 +196,36 @@ INLINE void pass_keys(const void *k_buf, const void *v_buf, const int64_t *slots
 #if defined(__AVX512BF16__) && defined(LANE_SUMS) && HEAD_DIM % 32 == 0
 #define DOT_BF16 1
 #define NP (HEAD_DIM / 32) /* 32 bf16 (16 pairs) a vector */
+/* queries a round of scores takes (each 16 keys' sums kept apart) */
+#define QG (GROUP < 4 ? GROUP : 4)
 /* queries whose values' sums stay in registers at once: HEAD_DIM / 16 vectors each, 16 in all */
 #define QV (GROUP * (HEAD_DIM / 16) <= 16 ? GROUP : (HEAD_DIM <= 256 ? 256 / HEAD_DIM : 1))
 
 /* `pass_keys` in bf16 on AVX-512-BF16's dot products of pairs (vdpbf16ps), the rows read as
-   they lie in the pool: the GROUP queries of one request (`qraw`, bf16 as given, unscaled: each
-   product exact in float32; the scale on the summed scores) against each key row, 32 dims a
-   vector, the lanes of 16 keys summed together (lane_sums16); then the values two keys at a
-   time, their rows interleaved into pairs (vpermt2w) against the pair of weights, which are
-   rounded to bf16 for that product (as the bf16 prompt kernels and torch's flash kernel round
-   them), the sums in registers for the whole block. Against the float32 arithmetic on the
+   they lie in the pool: `nq` queries (`qb`, nq rows of bf16 as given, unscaled: each product
+   exact in float32; the scale on the summed scores) against each key row, 32 dims a vector,
+   QG queries a round, the lanes of 16 keys summed together (lane_sums16); then the values two
+   keys at a time, their rows interleaved into pairs (vpermt2w) against the pair of weights,
+   which are rounded to bf16 for that product (as the bf16 prompt kernels and torch's flash
+   kernel round them), QV queries' sums in registers for the whole block. For a request's own
+   keys (nq = GROUP) and for a shared prefix's pass (many queries, where `pass_shared` does
+   float32 arithmetic on transposed keys). Own keys against the float32 arithmetic on the
    converted rows (`pass_keys`) on an AMD EPYC Zen 5, two threads, 3 KV heads of 64 with 3
    queries each, the whole call, 30 layers' pools: 16 lone requests of 592 keys 0.91x the time,
    1 of 600 0.83x, 4 of 300 0.89x, 4 groups of 4 sharing 512 keys (80 each of their own) 0.90x
    (one layer's pool, in the caches: 0.74-0.83x); two engines' steps alternated (four rounds):
-   one stream 1.04x the tokens/s, four streams 1.00x, shared prefix 1.10x, mixed 1.08x. */
+   one stream 1.04x the tokens/s, four streams 1.00x, shared prefix 1.10x, mixed 1.08x. The
+   shared prefixes' passes here too, against `pass_shared`: 4 groups of 4 sharing 512 keys
+   0.70x the time (0.60x in the caches), their members' own keys as before; engines alternated:
+   shared prefix 1.00x, four streams 1.05x, mixed 1.01x (the decode steps' share of those
+   workloads: within the noise). */
 INLINE void pass_keys_dot(const uint16_t *k_buf, const uint16_t *v_buf, const int64_t *slots,
-                          int64_t n_keys, int64_t h, int64_t num_kv_heads, const uint16_t *qraw,
-                          float scale, float (*acc)[HEAD_DIM], float *m, float *s,
-                          float (*sc)[BLOCK]) {
-  __m512 part[GROUP][BLOCK];
-  __m512bh qv[GROUP][NP];
-  uint16_t wb[GROUP][BLOCK] __attribute__((aligned(64))); /* the block's weights in bf16 */
+                          int64_t n_keys, int64_t h, int64_t num_kv_heads, int nq,
+                          const uint16_t *qb, float scale, float (*acc)[HEAD_DIM], float *m,
+                          float *s, float (*sc)[BLOCK]) {
   _Static_assert(BLOCK == 32, "a block's weights are one vector of bf16");
-  for (int g = 0; g < GROUP; g++)
-    for (int c = 0; c < NP; c++)
-      qv[g][c] = (__m512bh)_mm512_loadu_si512(qraw + g * HEAD_DIM + 32 * c);
+  __m512 part[QG][16];
+  uint16_t wb[MAX_Q][BLOCK] __attribute__((aligned(64))); /* the block's weights in bf16 */
   /* a pair of rows' elements interleaved: the first 16 of each, then the last 16 */
   const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40,
                                       8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
@@ -230,32 +236,42 @@ INLINE void pass_keys_dot(const uint16_t *k_buf, const uint16_t *v_buf, const in
   for (int64_t l0 = 0; l0 < n_keys; l0 += BLOCK) {
     const int n = (int)(n_keys - l0 < BLOCK ? n_keys - l0 : BLOCK);
     prefetch_block(k_buf, v_buf, slots, l0, n, n_keys, h, num_kv_heads, row_bytes);
-    for (int j = 0; j < n; j++) {
-      const uint16_t *key = k_buf + (slots[l0 + j] * num_kv_heads + h) * HEAD_DIM;
-      __m512bh kv[NP];
-      for (int c = 0; c < NP; c++) kv[c] = (__m512bh)_mm512_loadu_si512(key + 32 * c);
-      for (int g = 0; g < GROUP; g++) {
-        __m512 p = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[g][0], kv[0]);
-        for (int c = 1; c < NP; c++) p = _mm512_dpbf16_ps(p, qv[g][c], kv[c]);
-        part[g][j] = p;
+    for (int g0 = 0; g0 < nq; g0 += QG) {
+      const int ng = nq - g0 < QG ? nq - g0 : QG;
+      __m512bh qv[QG][NP];
+      for (int i = 0; i < QG; i++) /* a last round's spare rows: the last query again */
+        for (int c = 0; c < NP; c++)
+          qv[i][c] = (__m512bh)_mm512_loadu_si512(qb + (g0 + (i < ng ? i : ng - 1)) * HEAD_DIM
+                                                  + 32 * c);
+      for (int j0 = 0; j0 < n; j0 += 16) {
+        const int nj = n - j0 < 16 ? n - j0 : 16;
+        for (int j = 0; j < nj; j++) {
+          const uint16_t *key = k_buf + (slots[l0 + j0 + j] * num_kv_heads + h) * HEAD_DIM;
+          __m512bh kv[NP];
+          for (int c = 0; c < NP; c++) kv[c] = (__m512bh)_mm512_loadu_si512(key + 32 * c);
+          for (int i = 0; i < QG; i++) {
+            __m512 p = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[i][0], kv[0]);
+            for (int c = 1; c < NP; c++) p = _mm512_dpbf16_ps(p, qv[i][c], kv[c]);
+            part[i][j] = p;
+          }
+        }
+        for (int i = 0; i < ng; i++) {
+          for (int j = nj; j < 16; j++) part[i][j] = _mm512_setzero_ps(); /* never read */
+          _mm512_storeu_ps(sc[g0 + i] + j0, _mm512_mul_ps(lane_sums16(part[i]), vscale));
+        }
       }
     }
-    for (int j = n; j < BLOCK; j++) /* a last block's empty keys: sums never read */
-      for (int g = 0; g < GROUP; g++) part[g][j] = _mm512_setzero_ps();
-    for (int g = 0; g < GROUP; g++)
-      for (int j0 = 0; j0 < n; j0 += 16)
-        _mm512_storeu_ps(sc[g] + j0, _mm512_mul_ps(lane_sums16(part[g] + j0), vscale));
-    for (int g = 0; g < GROUP; g++) {
+    const uint32_t valid = n >= 32 ? ~0u : (1u << n) - 1u;
+    for (int g = 0; g < nq; g++) {
       softmax_step(sc[g], n, &m[g], &s[g], acc[g]);
       /* in bf16, zero past n (a last odd key's partner) */
-      const uint32_t valid = n >= 32 ? ~0u : (1u << n) - 1u;
       const __m512 a = _mm512_maskz_loadu_ps((__mmask16)valid, sc[g]);
       const __m512 b = _mm512_maskz_loadu_ps((__mmask16)(valid >> 16), sc[g] + 16);
       _mm512_store_si512(wb[g], (__m512i)_mm512_cvtne2ps_pbh(b, a));
     }
-    for (int g0 = 0; g0 < GROUP; g0 += QV) {
+    for (int g0 = 0; g0 < nq; g0 += QV) {
       int g[QV];
-      for (int i = 0; i < QV; i++) g[i] = g0 + i < GROUP ? g0 + i : GROUP - 1;
+      for (int i = 0; i < QV; i++) g[i] = g0 + i < nq ? g0 + i : nq - 1;
       __m512 a[QV][HEAD_DIM / 16];
       for (int i = 0; i < QV; i++)
         for (int c = 0; c < HEAD_DIM / 16; c++) a[i][c] = _mm512_loadu_ps(acc[g[i]] + 16 * c);
@@ -420,7 +436,7 @@ INLINE void attend_lone(const void *q, const void *k_buf, const void *v_buf,
   load_queries(q, b, h, num_kv_heads, scale, 0, qf, acc, m, s, bf16);
 #ifdef DOT_BF16
   if (bf16)
-    pass_keys_dot(k_buf, v_buf, row, len, h, num_kv_heads,
+    pass_keys_dot(k_buf, v_buf, row, len, h, num_kv_heads, GROUP,
                   (const uint16_t *)q + (b * num_kv_heads + h) * GROUP * HEAD_DIM, scale, acc, m,
                   s, sc);
   else
@@ -445,15 +461,26 @@ INLINE void attend(const void *q, const void *k_buf, const void *v_buf, const in
   float qf[MAX_Q][HEAD_DIM], acc[MAX_Q][HEAD_DIM], m[MAX_Q], s[MAX_Q], sc[MAX_Q][BLOCK];
   for (int i = 0; i < count; i++)
     load_queries(q, members[i], h, num_kv_heads, scale, i * GROUP, qf, acc, m, s, bf16);
-  pass_shared(k_buf, v_buf, slots + members[0] * max_len, shared, h, num_kv_heads,
-              count * GROUP, qf, acc, m, s, sc, bf16);
+#ifdef DOT_BF16
+  if (bf16) { /* the members' queries side by side, as given */
+    uint16_t qb[MAX_Q * HEAD_DIM];
+    for (int i = 0; i < count; i++)
+      memcpy(qb + i * GROUP * HEAD_DIM,
+             (const uint16_t *)q + (members[i] * num_kv_heads + h) * GROUP * HEAD_DIM,
+             GROUP * HEAD_DIM * 2);
+    pass_keys_dot(k_buf, v_buf, slots + members[0] * max_len, shared, h, num_kv_heads,
+                  count * GROUP, qb, scale, acc, m, s, sc);
+  } else
+#endif
+    pass_shared(k_buf, v_buf, slots + members[0] * max_len, shared, h, num_kv_heads,
+                count * GROUP, qf, acc, m, s, sc, bf16);
   for (int i = 0; i < count; i++) {
     const int64_t b = members[i], len = lens[b] < max_len ? lens[b] : max_len;
     const int r = i * GROUP;
 #ifdef DOT_BF16
     if (bf16)
       pass_keys_dot(k_buf, v_buf, slots + b * max_len + shared, len - shared, h, num_kv_heads,
-                    (const uint16_t *)q + (b * num_kv_heads + h) * GROUP * HEAD_DIM, scale,
+                    GROUP, (const uint16_t *)q + (b * num_kv_heads + h) * GROUP * HEAD_DIM, scale,
                     acc + r, m + r, s + r, sc + r);
     else
 #endif
