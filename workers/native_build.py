@@ -14,6 +14,7 @@ would.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import re
@@ -87,11 +88,13 @@ def _run(command: list[str]) -> None:
                                f"{done.stderr.strip()[-2000:]}")
 
 
+@functools.cache  # a process's kernels share it: a subprocess each load was tens of ms
 def _cc_version(cc: str) -> str:
     done = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False)
     return done.stdout
 
 
+@functools.cache
 def _cpu() -> str:
     """What `-march=native` compiles for: the CPU's model and flags (Linux), else nothing."""
     try:

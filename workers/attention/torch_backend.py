@@ -86,8 +86,11 @@ class TorchAttentionBackend(AttentionBackend):
         # and where the CPU has AMX tiles or AVX-512-BF16 (bf16) or AVX-512 (float32) through
         # the kernel on them (extend_kernel.py): 0.55-0.71x flash's time on the tiles, against
         # the row blocks and float32's flash see extend_kernel.py (tests and
-        # benchmarks/path_bench.py compare); the kernels are built at their first extend
+        # benchmarks/path_bench.py compare); the pool's dtype's kernel is built or loaded here,
+        # not at the first prompt (loading it is tens of ms: the compiler's version is read)
         self.extend_kernel = self.device.type == "cpu"
+        if self.extend_kernel:
+            extend_kernel.available(dtype=pool.config.dtype)
 
     def prepare(self, batch: ForwardBatch) -> None:
         self._out_cache_loc = batch.out_cache_loc
