@@ -125,6 +125,16 @@ def dim64_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
+def _record_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The prefix length of each extend the backend sends to the kernel, in order."""
+    calls: list[int] = []
+    real = extend_kernel.attention
+    monkeypatch.setattr(torch_backend.extend_kernel, "attention",
+                        lambda q, k, *rest: calls.append(k.shape[1] - q.shape[0])
+                        or real(q, k, *rest))
+    return calls
+
+
 def test_the_runner_takes_it_and_is_as_close_to_float32_as_without_it(
         dim64_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     def runner(dtype: str) -> ModelRunner:
@@ -136,11 +146,7 @@ def test_the_runner_takes_it_and_is_as_close_to_float32_as_without_it(
     assert isinstance(backend, TorchAttentionBackend) and backend.extend_kernel
     if not extend_kernel.available(dtype=torch.bfloat16):
         pytest.skip("no bf16 kernel on this CPU")
-    calls = []
-    real = extend_kernel.attention
-    monkeypatch.setattr(torch_backend.extend_kernel, "attention",
-                        lambda q, k, *rest: calls.append(k.shape[1] - q.shape[0])
-                        or real(q, k, *rest))
+    calls = _record_calls(monkeypatch)
     prompt = torch.randint(3, 250, (600,), generator=torch.Generator().manual_seed(5)).tolist()
     for chunk in (600, 200):  # whole, and in chunks after a prefix
         exact = _chunk_logits(fp32, prompt, chunk).float()
@@ -164,11 +170,7 @@ def test_float32_prompts_in_the_kernel_equal_transformers(
         pytest.skip("no float32 kernel on this CPU (AVX-512)")
     runner = ModelRunner(WorkerConfig(str(dim64_model), dtype="float32", max_running_requests=2,
                                       max_context_len=1024, max_total_tokens=2048))
-    calls = []
-    real = extend_kernel.attention
-    monkeypatch.setattr(torch_backend.extend_kernel, "attention",
-                        lambda q, k, *rest: calls.append(k.shape[1] - q.shape[0])
-                        or real(q, k, *rest))
+    calls = _record_calls(monkeypatch)
     prompt = torch.randint(3, 250, (600,), generator=torch.Generator().manual_seed(6)).tolist()
     with torch.inference_mode():
         hf = HFReference(dim64_model).model(torch.tensor([prompt])).logits[0]
