@@ -16,6 +16,9 @@ so the same venv runs both. Workloads (random token ids, the default model, CPU)
 - KV tokens (serve): the same under the config `raydix serve` builds on CPU (its own step
   budget, `deploy/config.py`), which is what a user of `make serve` gets.
 
+A checkout with `workers/huge_pages.py` runs its children with glibc's malloc on 2 MiB pages, as
+its `raydix serve` starts the engine process on CPU.
+
 A checkout whose workers have the CPU decode graph (`cpu_decode_graph.py`) runs with it, and
 with the CPU step graph (`cpu_step_graph.py`) where it has that too, as `raydix serve` does on
 CPU, unless `--no-decode-graph` is given (then with neither).
@@ -49,6 +52,7 @@ WORKLOADS = ("one stream", "two streams", "four streams", "lone prompt", "shared
 KV_ROWS = {"KV tokens", "KV tokens (serve)"}
 LOWER_IS_BETTER = {"lone prompt"}
 DECODE_GRAPH_ENV = "RAYDIX_BENCH_DECODE_GRAPH"  # "0": the children run without it
+TUNABLES_ENV, HUGE_PAGES_TUNABLE = "GLIBC_TUNABLES", "glibc.malloc.hugetlb=1"  # huge_pages.py
 
 
 def checkout(rev: str) -> Path:
@@ -78,6 +82,11 @@ def run_side(path: Path | None, workload: str, threads: int, dtype: str) -> tupl
     env.setdefault(DECODE_GRAPH_ENV, "1")
     if path is not None:
         env["PYTHONPATH"] = f"{path}{os.pathsep}{env.get('PYTHONPATH', '')}"
+    if ((path / "raydix" if path is not None else REPO) / "workers" / "huge_pages.py").exists():
+        # a checkout that starts its engine process with malloc on 2 MiB pages (as `raydix
+        # serve` on CPU does) computes so here too
+        env[TUNABLES_ENV] = ":".join(
+            t for t in (env.get(TUNABLES_ENV, ""), HUGE_PAGES_TUNABLE) if t)
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         subprocess.run([sys.executable, __file__, "--child", workload, "--threads", str(threads),
                         "--dtype", dtype, "--out", out.name], check=True, env=env,

@@ -36,6 +36,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from raydix.engine.config import EngineConfig
 from raydix.engine.executor import Executor, LocalExecutor, RankLocation, UnhealthyRanksError
 from raydix.workers.config import WorkerConfig
+from raydix.workers.huge_pages import malloc_env
 from raydix.workers.step import GrammarSpec, StepPlan, StepResult
 
 from .placement import check_bundles, create_replica_placement, wait_placed
@@ -83,7 +84,9 @@ class RayExecutor:
                     placement_group, deadline - time.monotonic()):
                 raise RuntimeError(f"the given placement group was not placed within "
                                    f"{startup_timeout_s:g} s")
-            self._actors = [_make_actor(placement_group, bundle_offset + r, r, use_gpu)
+            env = (malloc_env() if worker_configs[0].device == "cpu"
+                   and worker_configs[0].cpu_huge_pages else None)
+            self._actors = [_make_actor(placement_group, bundle_offset + r, r, use_gpu, env)
                             for r in range(self.tp_size)]
             self.max_num_tokens = self._start_ranks(worker_configs, deadline, startup_timeout_s)
             self.max_host_tokens = cast(int, ray.get(self._actors[0].max_host_tokens.remote(),
@@ -252,12 +255,15 @@ def make_executor(
     return RayExecutor(configs, startup_timeout_s=startup_timeout_s, use_gpu=use_gpu)
 
 
-def _make_actor(pg: PlacementGroup, bundle_idx: int, tp_rank: int,
-                use_gpu: bool) -> ActorHandle[WorkerActor]:
-    """One rank's actor in its bundle. On GPUs it takes no CPU, so fake GPUs fit on small hosts."""
+def _make_actor(pg: PlacementGroup, bundle_idx: int, tp_rank: int, use_gpu: bool,
+                env: dict[str, str] | None = None) -> ActorHandle[WorkerActor]:
+    """One rank's actor in its bundle, its process started with `env` added to its environment.
+    On GPUs it takes no CPU, so fake GPUs fit on small hosts."""
     strategy = PlacementGroupSchedulingStrategy(placement_group=pg,
                                                 placement_group_bundle_index=bundle_idx)
-    options = ({"num_gpus": 1, "num_cpus": 0} if use_gpu else {"num_cpus": 1})
+    options: dict[str, object] = ({"num_gpus": 1, "num_cpus": 0} if use_gpu else {"num_cpus": 1})
+    if env:  # a CPU rank's malloc on 2 MiB pages (workers/huge_pages.py)
+        options["runtime_env"] = {"env_vars": env}
     actor = _REMOTE_WORKER.options(scheduling_strategy=strategy, max_concurrency=MAX_CONCURRENCY,
                                    **options).remote(tp_rank)
     return cast("ActorHandle[WorkerActor]", actor)

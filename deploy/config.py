@@ -284,6 +284,12 @@ class AppConfig(BaseModel):
         "paged kernel built at start (a C file: under a second, then loaded from "
         "~/.cache/raydix/kernels)"
     )
+    disable_huge_pages: bool = Field(
+        False, description="on CPU: keep the weights and activations on 4 KiB pages instead of "
+        "starting the engine process (and the ranks' actors) with glibc's malloc on 2 MiB "
+        "transparent huge pages (fewer TLB misses as a step streams the weights; see "
+        "workers/huge_pages.py)"
+    )
     debug_cache_audit: bool = Field(
         False, description="debug: audit each replica's KV cache in stats calls made while it is "
         "idle (walks the whole pool: seconds at millions of slots)"

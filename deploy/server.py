@@ -63,6 +63,7 @@ from raydix.router.policy import RoutingPolicyConfig
 from raydix.router.priority import take_normal_priority
 from raydix.router.reporter import LoadReport, ReplicaReporter
 from raydix.router.state import MAX_APPROX_TOKENS
+from raydix.workers.huge_pages import malloc_env
 
 from .config import STARTUP_TIMEOUT_S
 from .cpu_threads import use_cpu_threads
@@ -119,6 +120,14 @@ def runs_in_engine_process(config: EngineConfig, settings: ReplicaSettings) -> b
     its one rank would run in this process (on the CPU, or on the GPU the replica reserved)."""
     return (settings.engine_process and config.worker.device in ("cpu", "cuda")
             and replica_bundles(config.worker.tp_size, settings.use_gpu_bundles) is None)
+
+
+def engine_process_env(config: EngineConfig) -> dict[str, str]:
+    """What the engine process's environment adds for its rank: on a CPU, malloc on 2 MiB pages
+    for the weights and activations (workers/huge_pages.py), unless the config turns them off."""
+    if config.worker.device == "cpu" and config.worker.cpu_huge_pages:
+        return malloc_env()
+    return {}
 
 
 def build_engine(config: EngineConfig, settings: ReplicaSettings,
@@ -217,7 +226,7 @@ class EngineServer:
                     functools.partial(engine_factory, engine_config, settings), events, setup,
                     max_waiting_requests=settings.max_waiting_requests, on_error=engine_failed,
                     stream_interval=settings.stream_interval, dumps=cloudpickle.dumps,
-                    env={REPLICA_ID_ENV: self.replica_id})
+                    env={REPLICA_ID_ENV: self.replica_id, **engine_process_env(engine_config)})
             else:
                 # built on the engine's loop thread, which steps it: one OpenMP team
                 # (async_engine.py)

@@ -204,6 +204,9 @@ class WorkerConfig:
     warm_up: bool = True  # run every kernel the first requests need once, before serving
     cpu_packed_linear: bool = True  # CPU: linear layers through oneDNN-packed weights
     cpu_keep_freed_memory: bool = True  # CPU: glibc keeps freed activations (host_memory.py)
+    # CPU: the engine process and the ranks' actors start with malloc on 2 MiB pages
+    # (huge_pages.py)
+    cpu_huge_pages: bool = True
     # "auto": the model's pool (K and V per head; one latent per token for MLA models);
     # "double-sparse": K and V plus heavy-channel labels, and decode attends over the best
     # `ds_heavy_token_num` tokens only (an approximation for long contexts; double_sparse.py)

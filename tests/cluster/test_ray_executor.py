@@ -136,6 +136,14 @@ def test_tp2_on_ray_matches_tp1_in_process_and_transformers(
         for frozen, walked in ray.get([a.__ray_call__.remote(heap_counts)
                                        for a in tp2._actors]):
             assert frozen > 50_000 and walked < frozen / 10
+        # each CPU rank's process started with malloc on 2 MiB pages (workers/huge_pages.py)
+        def tunables(actor: object) -> str:
+            import os
+
+            return os.environ.get("GLIBC_TUNABLES", "")
+
+        for value in ray.get([a.__ray_call__.remote(tunables) for a in tp2._actors]):
+            assert "glibc.malloc.hugetlb=1" in value.split(":")
     finally:
         tp2.shutdown()
     assert _wait_for(lambda: _free_gpus() == NUM_GPUS)

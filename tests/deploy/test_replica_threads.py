@@ -132,27 +132,31 @@ def test_a_small_model_computes_on_one_thread_by_default(tiny_llama: Path, smoll
 def test_the_engine_process_takes_the_threads_and_ends_with_the_replica(tiny_llama: Path) -> None:
     """With `engine_process` the engine steps in a child process (engine_process.py): the
     thread setting (here the default, fitted to the small model) applies there, its start-up
-    lines reach the replica's facts, and it ends when the replica shuts its engine down."""
+    lines reach the replica's facts, it starts with malloc on huge pages, and it ends when the
+    replica shuts its engine down."""
     config = uncompiled.uncompiled(EngineConfig.build(
         WorkerConfig(model_path=str(tiny_llama), max_total_tokens=2048),
         SchedulerConfig(max_running_requests=4, max_context_len=256)))
     settings = ReplicaSettings(cpu_threads=2, fit_threads_to_model=True, engine_process=True)
 
-    async def run() -> tuple[ReplicaFacts, list[int], int]:
+    async def run() -> tuple[ReplicaFacts, list[int], int, list[bytes]]:
         server = EngineServer(config, settings, engine_factory=uncompiled.uncompiled_engine)
         try:
+            env = Path(f"/proc/{server.facts.engine_pid}/environ").read_bytes().split(b"\0")
             tokens = []
             params = GenerationParams(max_new_tokens=6, ignore_eos=True)
             async for outputs in server.generate([5, 6, 7, 8], params, "r"):
                 tokens += [t for out in outputs for t in out.new_token_ids]
             stats = await server.stats()  # the figures of the step that ended the stream
             assert stats.kv_capacity == 2048 and stats.metrics.num_generated_tokens == 6
-            return server.facts, tokens, os.getpid()
+            return server.facts, tokens, os.getpid(), env
         finally:
             server.engine.shutdown()
 
-    facts, tokens, here = asyncio.run(run())
+    facts, tokens, here, env = asyncio.run(run())
     assert len(tokens) == 6
+    # started with malloc on 2 MiB pages for the rank's weights (workers/huge_pages.py)
+    assert b"GLIBC_TUNABLES=glibc.malloc.hugetlb=1" in env
     assert facts.engine_pid is not None and facts.engine_pid != here
     assert facts.cpu_threads == 1  # fitted to the model, in the engine process
     assert any(line.startswith("CPU threads: 1 of 2") for line in facts.log_lines), facts
