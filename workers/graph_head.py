@@ -1,6 +1,6 @@
 """Which weights a runner with the CPU decode graph packs for oneDNN: the LM head in bf16 always
-and in float32 where timed faster at start; in bf16 on a CPU with native bf16 (AMX tiles or
-AVX-512-BF16) every linear layer (`layers_packed`, below).
+and in float32 where timed faster at start; every linear layer in bf16 on a CPU with native bf16
+(AMX tiles or AVX-512-BF16), and in float32 on a CPU with AVX-512 (`layers_packed`, below).
 
 The graph (cpu_decode_graph.py) computes a one-row product as multiply-and-sum on the plain
 weight, which inductor turns into one parallel loop that reads each weight row once. In bf16
@@ -24,7 +24,15 @@ products' kernel (layers/packed_gemv.py: 1-32 rows, 0.25-0.46x the time of `smal
 the plain weights on an AMD EPYC Zen 5, 30 layers' weights) and prompts oneDNN's product
 without the per-call reorder (0.79x at 512 rows); the same A/B there (three runs each): one
 stream 0.92-1.10x (1.05), four streams 1.58-1.77x (1.74), shared prefix 1.03-1.15x (1.15),
-mixed 1.12-1.33x (1.18), TTFT 0.94-0.96x (0.96). float32 keeps its decoder layers plain.
+mixed 1.12-1.33x (1.18), TTFT 0.94-0.96x (0.96).
+
+float32 with AVX-512: the decoder layers too, their few-row products on the float32 kernel of
+layers/packed_gemv.py (up to 8 rows; oneDNN's product on the packed weight for more, and for
+prompts). On the AMD EPYC Zen 5, the same A/B (two engines in one process, three rounds): one
+stream 0.96-1.06x (1.00), four streams 1.21-1.32x (1.31), shared prefix 1.03-1.05x (1.03),
+mixed 1.03-1.23x (1.19), TTFT 0.87-0.99x (0.98). Before that kernel the packed layers' one-row
+products were oneDNN's, and one stream lost (0.85x: session 32). Without AVX-512 float32 keeps its
+decoder layers plain.
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ from torch import nn
 
 from .cpu_decode_graph import PACKED_HEAD_DTYPES
 from .cpu_features import native_bf16
+from .layers import packed_gemv
 from .layers.embedding import ParallelLMHead
 from .layers.packed import MIN_MEASURED_WEIGHTS, linear, pack_weight
 
@@ -50,15 +59,13 @@ logger = logging.getLogger(__name__)
 PACKED_HEAD_MAX_SHARE = 0.9
 
 
-# dtypes whose decoder layers are packed beside the graph where the CPU has native bf16
-PACKED_LAYER_DTYPES = (torch.bfloat16,)
-
-
 def layers_packed(dtype: torch.dtype) -> bool:
     """Whether a runner with the CPU decode graph packs every linear layer, the decoder layers'
     too (each packed weight its layer's only copy): bf16 on a CPU with native bf16 (AMX tiles
-    or AVX-512-BF16)."""
-    return dtype in PACKED_LAYER_DTYPES and native_bf16()
+    or AVX-512-BF16), float32 where the packed-weight kernel reads float32 weights (AVX-512)."""
+    if dtype == torch.bfloat16:
+        return native_bf16()
+    return dtype == torch.float32 and packed_gemv.warm_up()
 
 
 def head_packed(model: nn.Module, dtype: torch.dtype) -> bool:

@@ -1,9 +1,10 @@
-"""bf16 products of a few rows on oneDNN's packed weights read in place
-(workers/layers/packed_gemv.py), by each kernel this CPU runs (AMX tiles, 1-32 rows;
-AVX-512-BF16's dot products, 1-128 rows): equal to oneDNN's product and to a float32 product of the
-same bf16 values within bf16's rounding; more rows stay with oneDNN; a layout the kernels do not
-read is found and left to oneDNN; inside the runner, decode steps of one stream and of a batch
-take them and give the tokens oneDNN's products give."""
+"""Products of a few rows on oneDNN's packed weights read in place
+(workers/layers/packed_gemv.py), by each kernel this CPU runs (bf16: AMX tiles, 1-32 rows;
+AVX-512-BF16's dot products, 1-128 rows; float32: AVX-512's FMAs, 1-8 rows): equal to oneDNN's
+product and to a product in a wider type of the same values within the dtype's rounding; more
+rows stay with oneDNN; a layout the kernels do not read is found and left to oneDNN; inside the
+runner, decode steps of one stream and of a batch take them and give the tokens oneDNN's
+products give."""
 
 from __future__ import annotations
 
@@ -20,8 +21,10 @@ from raydix.workers.step import ScheduledRequest, StepPlan
 
 from .conftest import TinyModel
 
-pytestmark = pytest.mark.skipif(not torch.cpu._is_avx512_bf16_supported(),
-                                reason="the packed-weight kernel needs AVX-512-BF16")
+needs_bf16 = pytest.mark.skipif(not torch.cpu._is_avx512_bf16_supported(),
+                                reason="the bf16 packed-weight kernels need AVX-512-BF16")
+needs_avx512 = pytest.mark.skipif(not torch.cpu._is_avx512_supported(),
+                                  reason="the float32 packed-weight kernel needs AVX-512")
 
 
 @pytest.fixture(params=["tiles", "dot products"])
@@ -46,6 +49,7 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> None:
     torch.testing.assert_close(got.float(), want.float(), atol=tolerance, rtol=0)
 
 
+@needs_bf16
 @pytest.mark.parametrize(("out_features", "in_features", "batch_hint"),
                          [(960, 576, 64), (3072, 576, 1), (576, 1536, 64), (64, 96, 1),
                           (512, 64, 64)])
@@ -73,6 +77,7 @@ def test_equals_onednn_and_a_float32_product(out_features: int, in_features: int
     assert calls == sorted(r for r in {1, 2, 3, 6, 16, 17, most} if r <= most)  # more: oneDNN's
 
 
+@needs_bf16
 def test_a_layout_it_does_not_read_stays_with_onednn(monkeypatch: pytest.MonkeyPatch,
                                                     kernel: str) -> None:
     weight = _bf16(960, 576, seed=2)
@@ -88,6 +93,7 @@ def test_a_layout_it_does_not_read_stays_with_onednn(monkeypatch: pytest.MonkeyP
     assert torch.equal(packed_product(x, packed, None), want)  # oneDNN's own
 
 
+@needs_bf16
 def test_an_entry_leaves_with_its_weight() -> None:
     packed = pack_weight(_bf16(64, 64, seed=5), 64)
     assert packed_gemv.register(packed)
@@ -97,6 +103,7 @@ def test_an_entry_leaves_with_its_weight() -> None:
     assert key not in packed_gemv._blocks
 
 
+@needs_bf16
 @pytest.mark.parametrize("streams", [1, 3])
 def test_decode_steps_go_through_it_as_through_onednn(
         tiny_models: dict[str, TinyModel], monkeypatch: pytest.MonkeyPatch, kernel: str,
@@ -142,3 +149,105 @@ def test_decode_steps_go_through_it_as_through_onednn(
     assert not calls
     assert with_kernel[0] == without[0]
     np.testing.assert_allclose(with_kernel[1], without[1], atol=0.05, rtol=0.05)
+
+
+# ----------------------------------------------------------------------------------- float32
+def _f32(*shape: int, seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+@needs_avx512
+@pytest.mark.parametrize(("out_features", "in_features"),
+                         [(960, 576), (576, 1536), (192, 576), (64, 96), (128, 48)])
+def test_float32_equals_onednn_and_a_float64_product(out_features: int,
+                                                     in_features: int) -> None:
+    """A float32 weight packed for more than one row: the kernel takes 1 to `MAX_F32_ROWS`
+    rows (four at a time: whole and partial groups), within float32's sums of oneDNN's product
+    and of a float64 one; more rows are oneDNN's."""
+    assert packed_gemv.warm_up()
+    weight = _f32(out_features, in_features, seed=1)
+    packed = pack_weight(weight, 64)
+    assert packed_gemv.register(packed) == 64 and packed_gemv.max_rows(torch.float32) == 8
+    calls = []
+    real = packed_gemv._run
+    try:
+        packed_gemv._run = lambda *args: calls.append(args[0].shape[0]) or real(*args)  # type: ignore[assignment]
+        for rows in (1, 2, 3, 4, 5, 7, 8, 9, 16):
+            x = _f32(rows, in_features, seed=rows)
+            got = packed_product(x, packed, None)
+            assert got.dtype == torch.float32 and got.shape == (rows, out_features)
+            want = (x.double() @ weight.double().T)
+            tolerance = 1e-6 * (x.double().abs() @ weight.double().abs().T).amax().item()
+            torch.testing.assert_close(got.double(), want, atol=tolerance, rtol=0)
+            onednn = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+            torch.testing.assert_close(got, onednn, atol=tolerance, rtol=0)
+    finally:
+        packed_gemv._run = real  # type: ignore[assignment]
+    assert calls == [1, 2, 3, 4, 5, 7, 8]
+
+
+@needs_avx512
+def test_float32_layouts_it_does_not_read_stay_with_onednn() -> None:
+    """Packed for one row oneDNN keeps the weight row-major: read as blocks of 64 it disagrees
+    with oneDNN's product and is refused; outputs not a multiple of 64 and inputs oneDNN pads
+    (not a multiple of 16) are not tried; bf16 rows on a float32 weight are not taken."""
+    assert packed_gemv.warm_up()
+    row_major = pack_weight(_f32(128, 64, seed=2), 1)
+    assert packed_gemv.register(row_major) == 0 and packed_gemv.block_of(row_major) == 0
+    odd = pack_weight(_f32(100, 64, seed=3), 64)
+    assert packed_gemv.register(odd) == 0
+    padded = pack_weight(_f32(128, 40, seed=3), 64)
+    assert packed_gemv.register(padded) == 0
+    x = _f32(1, 64, seed=4)
+    want = torch.ops.mkldnn._linear_pointwise(x, row_major, None, "none", [], "")
+    assert torch.equal(packed_product(x, row_major, None), want)  # oneDNN's own
+    packed = pack_weight(_f32(128, 64, seed=5), 64)
+    assert packed_gemv.register(packed) == 64
+    assert packed_gemv.product(x.to(torch.bfloat16), packed) is None
+
+
+@needs_avx512
+@pytest.mark.parametrize("streams", [1, 3])
+def test_float32_decode_steps_go_through_it_as_through_onednn(
+        tiny_models: dict[str, TinyModel], monkeypatch: pytest.MonkeyPatch,
+        streams: int) -> None:
+    """A float32 runner with the decode graph packs its layers here (`layers_packed`), and its
+    decode steps' products take the kernel; the tokens are oneDNN's, the logits within float32's
+    sums of them."""
+    m = tiny_models["llama"]
+    runner = ModelRunner(WorkerConfig(str(m.folder), dtype="float32", max_running_requests=4,
+                                      max_context_len=256, max_total_tokens=1024,
+                                      cpu_decode_graph=True))
+    assert graph_head.layers_packed(torch.float32)
+    linears = [mod for mod in runner.model.modules() if hasattr(mod, "packed_weight")]
+    assert linears and all(mod.weight is None and mod.packed_weight is not None
+                           for mod in linears)  # each packed weight its layer's only copy
+    assert any(packed_gemv.block_of(mod.packed_weight) for mod in linears)
+    calls = []
+    real = packed_gemv._run
+    monkeypatch.setattr(packed_gemv, "_run", lambda *args: calls.append(1) or real(*args))
+    prompts = [list(p) for p in m.prompts[:streams]]
+    page = runner.kv_pool.config.page_size
+    slots = [list(range(page * (1 + 8 * i), page * (1 + 8 * i) + len(p) + 8))
+             for i, p in enumerate(prompts)]
+
+    def decode(enabled: bool) -> tuple[list[list[int]], np.ndarray]:
+        monkeypatch.setattr(packed_gemv, "ENABLED", enabled)
+        logits = runner.forward(StepPlan.build(0, [
+            ScheduledRequest(i, 0, p, s[:len(p)]) for i, (p, s) in enumerate(zip(prompts, slots, strict=True))]))
+        tokens = [[int(row.argmax())] for row in logits]
+        for step in range(1, 8):
+            logits = runner.forward(StepPlan.build(step, [
+                ScheduledRequest(i, len(p) + step - 1, [t[-1]], [s[len(p) + step - 1]])
+                for i, (p, s, t) in enumerate(zip(prompts, slots, tokens, strict=True))]))
+            for t, row in zip(tokens, logits, strict=True):
+                t.append(int(row.argmax()))
+        return tokens, logits.float().numpy()
+
+    with_kernel = decode(True)
+    assert calls, f"decode steps of {streams} float32 rows did not take the kernel"
+    calls.clear()
+    without = decode(False)
+    assert not calls
+    assert with_kernel[0] == without[0]
+    np.testing.assert_allclose(with_kernel[1], without[1], atol=1e-4, rtol=1e-4)

@@ -1,27 +1,77 @@
-/* Products of a few rows with a bf16 weight in oneDNN's packed layout (packed.py), read in
-   place: y[m, o] = sum_i x[m, i] W[o, i], bf16 in and out, float32 sums, rounded once (to
-   nearest even, as oneDNN rounds). Built by workers/native_build.py, called with ctypes
-   (packed_gemv.py). Two kernels: a few rows with AVX-512-BF16's dot products of pairs
-   (`packed_gemv_bf16`), and, where the CPU has AMX tiles, up to a few dozen rows on the tiles
-   (`packed_amx_bf16`).
+/* Products of a few rows with a weight in oneDNN's packed layout (packed.py), read in place:
+   y[m, o] = sum_i x[m, i] W[o, i] with float32 sums. Built by workers/native_build.py, called
+   with ctypes (packed_gemv.py). Three kernels: bf16 rows with AVX-512-BF16's dot products of
+   pairs (`packed_gemv_bf16`, rounded once to bf16, to nearest even, as oneDNN rounds), bf16 up
+   to a few dozen rows on the AMX tiles where the CPU has them (`packed_amx_bf16`), and float32
+   rows with AVX-512's FMAs (`packed_gemv_f32`).
 
    oneDNN packs a bf16 weight [out, in] for its AMX products as AB16b<BA>a2b: blocks of BA output
    rows (32 or 64, by the batch hint) by 32 inputs, the blocks of one output block consecutive;
    inside a block 16 pairs of inputs, each pair's BA outputs side by side, the pair's two
    inputs adjacent. So a pair of inputs meets 16 outputs' weights in one 64-byte load, and
    AVX-512-BF16's dot product of pairs (vdpbf16ps) takes them with the pair of x broadcast:
-   the weight is read once, in order, in whole cache lines. packed_gemv.py checks the layout
+   the weight is read once, in order, in whole cache lines. A float32 weight packed for a batch
+   of more than one row is the same without the pairs: blocks of 64 output rows, each input's 64
+   outputs side by side (for one row oneDNN keeps it as it is). packed_gemv.py checks the layout
    on each packed weight against oneDNN's own product before it uses this. */
 
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
 
-#if !defined(__AVX512BF16__) || !defined(__AVX512F__)
-#error "the packed bf16 products need AVX-512-BF16"
+#if !defined(__AVX512F__)
+#error "the packed products need AVX-512"
 #endif
 
 
+/* R float32 rows of output block ob (64 outputs: four vectors), sums in registers */
+#define F32_BLOCK_PRODUCT(R)                                                                   \
+  do {                                                                                         \
+    __m512 acc[R][4];                                                                          \
+    for (int m = 0; m < R; m++)                                                                \
+      for (int c = 0; c < 4; c++) acc[m][c] = _mm512_setzero_ps();                             \
+    const float *blk = w + ob * ic * 64;                                                       \
+    for (int64_t i = 0; i < ic; i++) {                                                         \
+      __m512 wv[4];                                                                            \
+      for (int c = 0; c < 4; c++) wv[c] = _mm512_loadu_ps(blk + i * 64 + c * 16);              \
+      for (int m = 0; m < R; m++) {                                                            \
+        const __m512 xv = _mm512_set1_ps(x[m * ic + i]);                                       \
+        for (int c = 0; c < 4; c++) acc[m][c] = _mm512_fmadd_ps(wv[c], xv, acc[m][c]);         \
+      }                                                                                        \
+    }                                                                                          \
+    for (int m = 0; m < R; m++)                                                                \
+      for (int c = 0; c < 4; c++) _mm512_storeu_ps(y + m * oc + ob * 64 + c * 16, acc[m][c]);  \
+  } while (0)
+
+#define F32_FUNCTION(R)                                                                        \
+  static void f32_block_##R(const float *x, const float *w, float *y, int64_t ob, int64_t ic,  \
+                            int64_t oc) {                                                      \
+    F32_BLOCK_PRODUCT(R);                                                                      \
+  }
+F32_FUNCTION(1)
+F32_FUNCTION(2)
+F32_FUNCTION(3)
+F32_FUNCTION(4)
+
+typedef void (*f32_block_fn)(const float *, const float *, float *, int64_t, int64_t, int64_t);
+static const f32_block_fn F32_BLOCKS[4] = {f32_block_1, f32_block_2, f32_block_3, f32_block_4};
+
+/* x [rows, ic] and y [rows, oc] float32, contiguous; w the packed weight of [oc, ic] in blocks
+   of 64 outputs (`block`, for the same signature as the bf16 kernel: 64), oc a multiple of 64.
+   Rows go four at a time through each output block, as in the bf16 kernel below. */
+void packed_gemv_f32(const float *x, const float *w, float *y, int64_t rows, int64_t oc,
+                     int64_t ic, int64_t block, int threads) {
+  const int64_t nob = oc / block;
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t ob = 0; ob < nob; ob++)
+    for (int64_t m0 = 0; m0 < rows; m0 += 4) {
+      const int64_t r = rows - m0 < 4 ? rows - m0 : 4;
+      F32_BLOCKS[r - 1](x + m0 * ic, w, y + m0 * oc, ob, ic, oc);
+    }
+}
+
+
+#if defined(__AVX512BF16__)
 /* R rows of output block ob, 16 * CH outputs (CH vectors); R and CH constants, so that the
    sums stay in registers */
 #define BLOCK_PRODUCT(CH, R)                                                                   \
@@ -176,3 +226,4 @@ void packed_amx_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t 
   }
 }
 #endif
+#endif  /* __AVX512BF16__ */

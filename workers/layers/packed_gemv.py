@@ -1,4 +1,4 @@
-"""Products of a few rows with a packed bf16 weight, read in place (CPU, AVX-512-BF16, AMX).
+"""Products of a few rows with a packed weight, read in place (CPU: AVX-512, AVX-512-BF16, AMX).
 
 A decode step multiplies a few rows (one per running stream) by every weight of the model: it
 reads each weight once and is bound by memory. oneDNN's product on its packed bf16 weight
@@ -19,7 +19,15 @@ cores of an AMD EPYC Zen 5 (AVX-512-BF16, no AMX; 46 GB/s streamed), 16-17 at 16
   serve instead, the dot products were bound by their own speed from three rows on: 1.04x at
   eight, 1.5x at sixteen.)
 
-Equal results within bf16's rounding (both sum in float32 and round once). More rows, and
+float32 (session 33): a packed float32 weight is blocks of 64 outputs, each input's 64 outputs
+side by side; the float32 kernel reads it with four FMAs an input, 1 to `MAX_F32_ROWS` rows,
+four at a time. On the Zen 5 (30 layers' weights from memory, two threads), its time against
+oneDNN's product on the same packed weight: 0.72x at one row, 0.76x at two, 0.88-0.91x at
+three to eight, 1.02x at 16, 1.09x at 32 (so 8 at most); against `small_gemm` on the plain
+weights (the few-row kernel float32 layers used while they stayed plain) 0.53-0.75x.
+
+Equal results within bf16's rounding (both sum in float32 and round once); in float32 within
+the order of the sums. More rows, and
 prompts, keep oneDNN's product on the same packed weight (still the only copy). Measured on 30
 layers' weights (from memory, as a decode step reads them), two threads.
 
@@ -40,7 +48,7 @@ from pathlib import Path
 
 import torch
 
-from ..cpu_features import amx_granted, avx512_bf16
+from ..cpu_features import amx_granted, avx512, avx512_bf16
 from ..native_build import NativeBuildError, load
 
 logger = logging.getLogger(__name__)
@@ -48,12 +56,15 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("packed_gemv.c")
 MAX_ROWS = 128  # the dot-product kernel's (packed_gemv.c); more rows take oneDNN's product
 MAX_TILE_ROWS = 32  # the tiles' kernel's
+MAX_F32_ROWS = 8  # the float32 kernel's
 ENABLED = True  # False: every product takes oneDNN's (benchmarks/path_bench.py compares)
-BLOCKS = (32, 64)  # output rows of a block of oneDNN's AB16b<block>a2b layout
+BLOCKS = (32, 64)  # output rows of a block of oneDNN's AB16b<block>a2b layout (bf16)
+F32_BLOCKS = (64,)  # output rows of a block of oneDNN's packed float32 layout
 
 _lib: ctypes.CDLL | None = None
 _failed: str | None = None
 _tiles = False  # the tiles' kernel is built and Linux granted the tiles
+_bf16 = False  # the bf16 dot products' kernel is built (the CPU has AVX-512-BF16)
 # id of a packed weight -> the output block of its layout and its data's address (weights no
 # block agrees with are absent); an entry leaves with its weight (`weakref.finalize`), before
 # its id can be reused
@@ -61,25 +72,29 @@ _blocks: dict[int, tuple[int, int]] = {}
 
 
 def warm_up() -> bool:
-    """Build (or load) the kernels; False where the CPU has no AVX-512-BF16 or they cannot be
-    built (logged once)."""
-    global _lib, _failed, _tiles
+    """Build (or load) the kernels: float32's where the CPU has AVX-512, bf16's where it has
+    AVX-512-BF16 too; False where it has no AVX-512 or they cannot be built (logged once)."""
+    global _lib, _failed, _tiles, _bf16
     if _lib is not None:
         return True
     if _failed is not None:
         return False
-    if not avx512_bf16():
-        _failed = "no AVX-512-BF16 on this CPU"
+    if not avx512():
+        _failed = "no AVX-512 on this CPU"
         return False
     argtypes: list[type] = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4 + [ctypes.c_int]
+    functions = {"packed_gemv_f32": argtypes}
+    if avx512_bf16():
+        functions["packed_gemv_bf16"] = argtypes
     try:
-        lib = load(SOURCE, {}, {"packed_gemv_bf16": argtypes})
+        lib = load(SOURCE, {}, functions)
     except (NativeBuildError, OSError) as exc:
         _failed = str(exc)
-        logger.warning("bf16 products of a few rows stay with oneDNN: the packed-weight kernel "
+        logger.warning("products of a few rows stay with oneDNN: the packed-weight kernels "
                        "could not be built: %s", exc)
         return False
-    _lib, _tiles = lib, amx_granted() and _tile_kernel(lib, argtypes)
+    _lib, _bf16 = lib, "packed_gemv_bf16" in functions
+    _tiles = _bf16 and amx_granted() and _tile_kernel(lib, argtypes)
     return True
 
 
@@ -94,28 +109,38 @@ def _tile_kernel(lib: ctypes.CDLL, argtypes: list[type]) -> bool:
     return True
 
 
-def max_rows() -> int:
-    """The most rows the kernels take here (0 before `warm_up` or without them)."""
+def max_rows(dtype: torch.dtype = torch.bfloat16) -> int:
+    """The most rows of `dtype` the kernels take here (0 before `warm_up` or without them)."""
     if _lib is None:
+        return 0
+    if dtype == torch.float32:
+        return MAX_F32_ROWS
+    if dtype != torch.bfloat16 or not _bf16:
         return 0
     return MAX_TILE_ROWS if _tiles else MAX_ROWS
 
 
 def register(packed: torch.Tensor) -> int:
-    """Check `packed` (oneDNN's packed bf16 weight, `[out, in]`) against each block size the
-    kernel reads; returns the one that agrees with oneDNN's own product, recorded for
-    `product`, or 0."""
-    if packed.dtype != torch.bfloat16 or not packed.is_mkldnn or not warm_up():
+    """Check `packed` (oneDNN's packed bf16 or float32 weight, `[out, in]`) against each block
+    size the kernel of its dtype reads; returns the one that agrees with oneDNN's own product,
+    recorded for `product`, or 0."""
+    if not packed.is_mkldnn or not warm_up() or not max_rows(packed.dtype):
         return 0
     out_features, in_features = packed.shape
-    if in_features % 32 or torch.ops.mkldnn._nbytes(packed) != 2 * out_features * in_features:
+    bf16 = packed.dtype == torch.bfloat16
+    if bf16 and in_features % 32:
+        return 0
+    size = packed.element_size() * out_features * in_features
+    if torch.ops.mkldnn._nbytes(packed) != size:
         return 0
     # the rows the kernel here takes, with the tiles a full group of 16 and a partial one
-    x = torch.randn(min(max_rows(), 19), in_features,
-                    generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    x = torch.randn(min(max_rows(packed.dtype), 19), in_features,
+                    generator=torch.Generator().manual_seed(0)).to(packed.dtype)
     want = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "").float()
-    tolerance = 2 ** -7 * want.abs().amax().item()  # bf16's rounding of the largest output
-    for block in BLOCKS:
+    # bf16's rounding of the largest output; in float32 another order of the sums (a layout
+    # read wrongly is off by the outputs' own size)
+    tolerance = (2 ** -7 if bf16 else 1e-4) * want.abs().amax().item()
+    for block in BLOCKS if bf16 else F32_BLOCKS:
         if out_features % block:
             continue
         address = torch.ops.mkldnn.data_ptr(packed)
@@ -134,12 +159,12 @@ def block_of(packed: torch.Tensor) -> int:
 
 
 def product(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor | None:
-    """`x` [rows, in] times the packed weight [out, in] through a kernel, [rows, out] bf16;
-    None where the kernels do not take them (a weight `register` did not record, more than
-    `max_rows()` rows, not bf16, `ENABLED` off): oneDNN's product then."""
+    """`x` [rows, in] times the packed weight [out, in] through a kernel, [rows, out] in the
+    weight's dtype; None where the kernels do not take them (a weight `register` did not
+    record, more than `max_rows` rows, another dtype, `ENABLED` off): oneDNN's product then."""
     entry = _blocks.get(id(packed)) if ENABLED else None
-    if (entry is None or x.dim() != 2 or not 0 < x.shape[0] <= max_rows()
-            or x.dtype != torch.bfloat16):
+    if (entry is None or x.dim() != 2 or x.dtype != packed.dtype
+            or not 0 < x.shape[0] <= max_rows(x.dtype)):
         return None
     return _run(x, packed, *entry)
 
@@ -148,8 +173,11 @@ def _run(x: torch.Tensor, packed: torch.Tensor, block: int, address: int) -> tor
     assert _lib is not None
     x = x.contiguous()
     rows, in_features = x.shape
-    y = torch.empty(rows, packed.shape[0], dtype=torch.bfloat16)
-    kernel = _lib.packed_amx_bf16 if _tiles else _lib.packed_gemv_bf16
+    y = torch.empty(rows, packed.shape[0], dtype=packed.dtype)
+    if packed.dtype == torch.float32:
+        kernel = _lib.packed_gemv_f32
+    else:
+        kernel = _lib.packed_amx_bf16 if _tiles else _lib.packed_gemv_bf16
     kernel(x.data_ptr(), address, y.data_ptr(), rows, packed.shape[0], in_features, block,
            torch.get_num_threads())
     return y
