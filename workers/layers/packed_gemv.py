@@ -27,9 +27,9 @@ three to eight, 1.02x at 16, 1.09x at 32 (so 8 at most); against `small_gemm` on
 weights (the few-row kernel float32 layers used while they stayed plain) 0.53-0.75x.
 
 Equal results within bf16's rounding (both sum in float32 and round once); in float32 within
-the order of the sums. More rows, and
-prompts, keep oneDNN's product on the same packed weight (still the only copy). Measured on 30
-layers' weights (from memory, as a decode step reads them), two threads.
+the order of the sums. More rows, and prompts, keep oneDNN's product on the same packed weight
+(still the only copy). Measured on 30 layers' weights (from memory, as a decode step reads
+them), two threads.
 
 The layout is oneDNN's choice, not a promise: `register` checks each packed weight, one
 product of random rows against oneDNN's for each block size the kernels read (32 and 64 output
