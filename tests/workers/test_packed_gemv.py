@@ -103,24 +103,16 @@ def test_an_entry_leaves_with_its_weight() -> None:
     assert key not in packed_gemv._blocks
 
 
-@needs_bf16
-@pytest.mark.parametrize("streams", [1, 3])
-def test_decode_steps_go_through_it_as_through_onednn(
-        tiny_models: dict[str, TinyModel], monkeypatch: pytest.MonkeyPatch, kernel: str,
-        streams: int) -> None:
-    m = tiny_models["llama"]
-    monkeypatch.setattr(graph_head, "native_bf16", lambda: True)  # every bf16 layer packed
-    runner = ModelRunner(WorkerConfig(str(m.folder), dtype="bfloat16", max_running_requests=4,
-                                      max_context_len=256, max_total_tokens=1024,
-                                      cpu_decode_graph=True))
-    packed = [mod.packed_weight for mod in runner.model.modules()
-              if getattr(mod, "packed_weight", None) is not None]
-    assert packed, "no packed bf16 weight in this runner"
-    assert any(packed_gemv.block_of(p) for p in packed)
+def _decode_with_and_without(runner: ModelRunner, prompts: list[list[int]],
+                             monkeypatch: pytest.MonkeyPatch
+                             ) -> tuple[int, tuple[list[list[int]], np.ndarray],
+                                        tuple[list[list[int]], np.ndarray]]:
+    """The streams decoded together for 8 steps with the kernels on, then off: the kernels'
+    calls while on, and each run's greedy tokens and last step's logits (asserting that the
+    kernels made no call while off)."""
     calls = []
     real = packed_gemv._run
     monkeypatch.setattr(packed_gemv, "_run", lambda *args: calls.append(1) or real(*args))
-    prompts = [list(p) for p in m.prompts[:streams]]
     page = runner.kv_pool.config.page_size
     slots = [list(range(page * (1 + 8 * i), page * (1 + 8 * i) + len(p) + 8))
              for i, p in enumerate(prompts)]
@@ -139,14 +131,34 @@ def test_decode_steps_go_through_it_as_through_onednn(
                 t.append(int(row.argmax()))
         return tokens, logits.float().numpy()
 
-    with_kernel = decode(True)
+    with_kernels = decode(True)
+    num_calls = len(calls)
+    calls.clear()
+    without = decode(False)
+    assert not calls
+    return num_calls, with_kernels, without
+
+
+@needs_bf16
+@pytest.mark.parametrize("streams", [1, 3])
+def test_decode_steps_go_through_it_as_through_onednn(
+        tiny_models: dict[str, TinyModel], monkeypatch: pytest.MonkeyPatch, kernel: str,
+        streams: int) -> None:
+    m = tiny_models["llama"]
+    monkeypatch.setattr(graph_head, "native_bf16", lambda: True)  # every bf16 layer packed
+    runner = ModelRunner(WorkerConfig(str(m.folder), dtype="bfloat16", max_running_requests=4,
+                                      max_context_len=256, max_total_tokens=1024,
+                                      cpu_decode_graph=True))
+    packed = [mod.packed_weight for mod in runner.model.modules()
+              if getattr(mod, "packed_weight", None) is not None]
+    assert packed, "no packed bf16 weight in this runner"
+    assert any(packed_gemv.block_of(p) for p in packed)
+    prompts = [list(p) for p in m.prompts[:streams]]
+    calls, with_kernel, without = _decode_with_and_without(runner, prompts, monkeypatch)
     if streams <= packed_gemv.max_rows():
         assert calls, f"decode steps of {streams} rows did not take the {kernel} kernel"
     else:
         assert not calls  # more rows than the kernel takes: oneDNN's
-    calls.clear()
-    without = decode(False)
-    assert not calls
     assert with_kernel[0] == without[0]
     np.testing.assert_allclose(with_kernel[1], without[1], atol=0.05, rtol=0.05)
 
@@ -223,31 +235,8 @@ def test_float32_decode_steps_go_through_it_as_through_onednn(
     assert linears and all(mod.weight is None and mod.packed_weight is not None
                            for mod in linears)  # each packed weight its layer's only copy
     assert any(packed_gemv.block_of(mod.packed_weight) for mod in linears)
-    calls = []
-    real = packed_gemv._run
-    monkeypatch.setattr(packed_gemv, "_run", lambda *args: calls.append(1) or real(*args))
     prompts = [list(p) for p in m.prompts[:streams]]
-    page = runner.kv_pool.config.page_size
-    slots = [list(range(page * (1 + 8 * i), page * (1 + 8 * i) + len(p) + 8))
-             for i, p in enumerate(prompts)]
-
-    def decode(enabled: bool) -> tuple[list[list[int]], np.ndarray]:
-        monkeypatch.setattr(packed_gemv, "ENABLED", enabled)
-        logits = runner.forward(StepPlan.build(0, [
-            ScheduledRequest(i, 0, p, s[:len(p)]) for i, (p, s) in enumerate(zip(prompts, slots, strict=True))]))
-        tokens = [[int(row.argmax())] for row in logits]
-        for step in range(1, 8):
-            logits = runner.forward(StepPlan.build(step, [
-                ScheduledRequest(i, len(p) + step - 1, [t[-1]], [s[len(p) + step - 1]])
-                for i, (p, s, t) in enumerate(zip(prompts, slots, tokens, strict=True))]))
-            for t, row in zip(tokens, logits, strict=True):
-                t.append(int(row.argmax()))
-        return tokens, logits.float().numpy()
-
-    with_kernel = decode(True)
+    calls, with_kernel, without = _decode_with_and_without(runner, prompts, monkeypatch)
     assert calls, f"decode steps of {streams} float32 rows did not take the kernel"
-    calls.clear()
-    without = decode(False)
-    assert not calls
     assert with_kernel[0] == without[0]
     np.testing.assert_allclose(with_kernel[1], without[1], atol=1e-4, rtol=1e-4)
