@@ -45,6 +45,8 @@ from typing import Any
 
 import numpy as np
 
+from raydix.workers.huge_pages import malloc_env
+
 REPO = Path(__file__).resolve().parent.parent
 SUBPACKAGES = ("cache", "workers", "engine", "cluster", "router", "deploy")  # those REV has
 WORKLOADS = ("one stream", "two streams", "four streams", "lone prompt", "shared prefix", "mixed",
@@ -52,7 +54,6 @@ WORKLOADS = ("one stream", "two streams", "four streams", "lone prompt", "shared
 KV_ROWS = {"KV tokens", "KV tokens (serve)"}
 LOWER_IS_BETTER = {"lone prompt"}
 DECODE_GRAPH_ENV = "RAYDIX_BENCH_DECODE_GRAPH"  # "0": the children run without it
-TUNABLES_ENV, HUGE_PAGES_TUNABLE = "GLIBC_TUNABLES", "glibc.malloc.hugetlb=1"  # huge_pages.py
 
 
 def checkout(rev: str) -> Path:
@@ -85,8 +86,7 @@ def run_side(path: Path | None, workload: str, threads: int, dtype: str) -> tupl
     if ((path / "raydix" if path is not None else REPO) / "workers" / "huge_pages.py").exists():
         # a checkout that starts its engine process with malloc on 2 MiB pages (as `raydix
         # serve` on CPU does) computes so here too
-        env[TUNABLES_ENV] = ":".join(
-            t for t in (env.get(TUNABLES_ENV, ""), HUGE_PAGES_TUNABLE) if t)
+        env.update(malloc_env(env))
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         subprocess.run([sys.executable, __file__, "--child", workload, "--threads", str(threads),
                         "--dtype", dtype, "--out", out.name], check=True, env=env,
