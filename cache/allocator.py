@@ -34,6 +34,7 @@ class PagedSlotAllocator:
         self.capacity = num_pages * page_size
         self.num_slots = (num_pages + 1) * page_size
         self._offsets = np.arange(page_size, dtype=np.int32)
+        self._high_water = 0  # the highest page handed out since the pool was made
         self.clear()
 
     def clear(self) -> None:
@@ -51,6 +52,12 @@ class PagedSlotAllocator:
     @property
     def num_free_pages(self) -> int:
         return self._num_free_pages
+
+    @property
+    def high_water_slot(self) -> int:
+        """One past the last slot of the highest page handed out so far: no slot from here up
+        has held K/V since the pool was made (the first time round, pages go out in order)."""
+        return (self._high_water + 1) * self.page_size
 
     def is_page_allocated(self, page: int) -> bool:
         return 1 <= page <= self.num_pages and bool(self._owned[page])
@@ -121,6 +128,8 @@ class PagedSlotAllocator:
         self._free_pages = self._free_pages[num_pages:]
         self._num_free_pages -= num_pages
         self._owned[pages] = True
+        if num_pages:
+            self._high_water = max(self._high_water, int(pages.max()))
         return pages
 
     def _merge_released(self) -> None:

@@ -177,6 +177,9 @@ class RayExecutor:
         if not self._stopped and self._broken is None:
             self._actors[0].prepare_grammar.remote(spec)
 
+    def prefault_kv(self, in_use: int) -> bool:
+        return False  # the ranks' pools fault their pages in on first use
+
     def check_health(self) -> None:
         """Raise a RuntimeError naming every rank whose actor died, hangs or failed. Blocks up
         to `HEALTH_TIMEOUT_S`."""

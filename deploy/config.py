@@ -290,6 +290,11 @@ class AppConfig(BaseModel):
         "transparent huge pages (fewer TLB misses as a step streams the weights; see "
         "workers/huge_pages.py)"
     )
+    disable_kv_prefault: bool = Field(
+        False, description="on CPU: leave the KV pool's pages to fault in at their first K/V "
+        "write instead of populating the next ones ahead of use while the engine is idle "
+        "(workers/kv_prefault.py)"
+    )
     debug_cache_audit: bool = Field(
         False, description="debug: audit each replica's KV cache in stats calls made while it is "
         "idle (walks the whole pool: seconds at millions of slots)"

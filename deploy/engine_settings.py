@@ -119,6 +119,7 @@ def engine_config(config: AppConfig, model_path: str, device: str) -> EngineConf
         cpu_step_graph=not config.disable_cpu_step_graph,
         cpu_compiled_attention=not config.disable_cpu_compiled_attention,
         cpu_huge_pages=not config.disable_huge_pages,
+        cpu_prefault_kv=not config.disable_kv_prefault,
     )
     if worker.kv_pool == "double-sparse" and worker.attention_backend != "torch":
         raise ValueError(f"kv_pool double-sparse needs attention_backend torch (here: "

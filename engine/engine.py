@@ -124,6 +124,14 @@ class Engine:
     def has_work(self) -> bool:
         return self.scheduler.has_work or self._in_flight is not None
 
+    def idle_work(self) -> bool:
+        """A small piece of work for a moment without requests (the engine process calls it
+        while it waits for a command): the KV pool's next pages populated ahead of their first
+        use (workers/kv_prefault.py). True: there may be more."""
+        if self.has_work:
+            return False
+        return self.executor.prefault_kv(self.scheduler.cache.allocator.high_water_slot)
+
     # ------------------------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:
         """One step; outputs of requests added with ``process_outputs`` carry their text."""

@@ -219,7 +219,9 @@ def _loop(core: _Core, commands: Connection) -> None:
     while not core.stopped:
         if not engine.has_work:
             core.send_state()
-            core.apply(commands.recv())  # idle: wait for a command
+            while not commands.poll() and engine.idle_work():
+                pass  # idle: the engine's own idle work, a piece at a time, then wait
+            core.apply(commands.recv())
         while commands.poll():
             core.apply(commands.recv())
         if engine.has_work and not core.stopped:

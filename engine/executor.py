@@ -80,6 +80,12 @@ class Executor(Protocol):
         """Start compiling `spec` on the driving rank, off the step (returns at once)."""
         ...
 
+    def prefault_kv(self, in_use: int) -> bool:
+        """Between steps, with no step in flight: populate the next chunk of a CPU KV pool's
+        pages ahead of their first use (no slot from `in_use` up was handed out yet); False
+        when there is nothing to do (workers/kv_prefault.py)."""
+        ...
+
     def shutdown(self) -> None: ...
 
 
@@ -152,6 +158,10 @@ class LocalExecutor:
 
     def prepare_grammar(self, spec: GrammarSpec) -> None:
         self.worker.prepare_grammar(spec)
+
+    def prefault_kv(self, in_use: int) -> bool:
+        # on this thread: madvise, no torch op (so no second OpenMP team), and no step runs
+        return self.worker.runner.prefault_kv(in_use)
 
     def shutdown(self) -> None:
         if self._rank is not None:

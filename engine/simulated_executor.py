@@ -120,6 +120,9 @@ class SimulatedExecutor:
     def prepare_grammar(self, spec: GrammarSpec) -> None:
         raise ValueError("the simulated executor has no grammars")
 
+    def prefault_kv(self, in_use: int) -> bool:
+        return False  # no pool
+
     def shutdown(self) -> None:
         return None
 

@@ -207,6 +207,9 @@ class WorkerConfig:
     # CPU: the engine process and the ranks' actors start with malloc on 2 MiB pages
     # (huge_pages.py)
     cpu_huge_pages: bool = True
+    # CPU: an idle engine populates the KV pool's next pages ahead of their first use
+    # (kv_prefault.py)
+    cpu_prefault_kv: bool = True
     # "auto": the model's pool (K and V per head; one latent per token for MLA models);
     # "double-sparse": K and V plus heavy-channel labels, and decode attends over the best
     # `ds_heavy_token_num` tokens only (an approximation for long contexts; double_sparse.py)

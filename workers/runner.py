@@ -31,6 +31,7 @@ from .graph_head import head_packed, layers_packed
 from .host_kv_pool import check_copies, make_host_pool
 from .host_memory import keep_freed_memory
 from .kv_pool import KVPool, KVPoolConfig, MLAKVPool
+from .kv_prefault import KVPrefault
 from .layers import small_gemm
 from .layers.embedding import ParallelLMHead
 from .layers.fused import fused_ops_for
@@ -139,6 +140,8 @@ class ModelRunner:
             self.kv_pool.ops = self.fused_ops
         self.host_pool = (make_host_pool(config, self.kv_pool, self.group, self.device)
                           if config.host_tier else None)
+        self.kv_prefault = (KVPrefault(self.kv_pool.buffers)
+                            if self.device.type == "cpu" and config.cpu_prefault_kv else None)
         if (isinstance(self.backend, TorchAttentionBackend) and self.device.type == "cpu"
                 and config.cpu_compiled_attention):
             self.backend.paged_kernel = paged_decode.warm_up(
@@ -192,6 +195,11 @@ class ModelRunner:
     def max_num_tokens(self) -> int:
         """Usable KV slots; the engine's allocator has `max_num_tokens // page_size` pages."""
         return self.kv_pool.config.max_num_tokens
+
+    def prefault_kv(self, in_use: int) -> bool:
+        """Populate the next chunk of the CPU KV pool ahead of use (no slot from `in_use` up has
+        been handed out yet); False when there is nothing to do (kv_prefault.py)."""
+        return self.kv_prefault is not None and self.kv_prefault.step(in_use)
 
     def _memory_reading(self) -> tuple[int, int]:
         """(free bytes after weights, total bytes) of this rank's device."""

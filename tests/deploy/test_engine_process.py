@@ -86,6 +86,11 @@ def heap_counts(engine: Engine) -> tuple[int, int]:
     return gc.get_freeze_count(), len(gc.get_objects())
 
 
+def populated_and_slots(engine: Engine) -> tuple[int, int]:
+    runner = engine.executor.worker.runner  # type: ignore[attr-defined]
+    return runner.kv_prefault.populated, runner.kv_pool.config.num_slots
+
+
 def visible_devices(engine: Engine) -> str | None:
     return os.environ.get("CUDA_VISIBLE_DEVICES")
 
@@ -143,6 +148,17 @@ def test_the_start_up_heap_is_frozen(process_engine: ProcessEngine) -> None:
     frozen, walked = asyncio.run(process_engine.call(heap_counts))
     assert frozen > 50_000  # torch's modules alone
     assert walked < frozen / 10
+
+
+def test_the_idle_process_populates_its_pool_ahead_of_use(process_engine: ProcessEngine) -> None:
+    """Between commands the child populates its CPU KV pool's pages (workers/kv_prefault.py):
+    the tiny pool lies within the distance ahead, so all of it."""
+    def populated() -> bool:
+        done, slots = asyncio.run(process_engine.call(populated_and_slots))
+        return bool(done == slots)
+
+    _wait_for(populated, within_s=20.0)
+    assert populated()
 
 
 def test_refusals_and_overload(process_engine: ProcessEngine) -> None:

@@ -24,6 +24,12 @@ def test_double_sparse_flags_reach_the_worker(model_folder: str, tmp_path: Path)
     assert engine_config(AppConfig(), model_folder, "cpu").worker.kv_pool == "auto"
 
 
+def test_kv_prefault_is_on_unless_turned_off(model_folder: str) -> None:
+    assert engine_config(AppConfig(), model_folder, "cpu").worker.cpu_prefault_kv
+    args = build_parser().parse_args(["serve", "--disable-kv-prefault"])
+    assert not engine_config(load_config(args), model_folder, "cpu").worker.cpu_prefault_kv
+
+
 def test_double_sparse_refuses_flashinfer(model_folder: str) -> None:
     with pytest.raises(ValueError, match="double-sparse needs attention_backend torch"):
         engine_config(AppConfig(kv_pool="double-sparse"), model_folder, "cuda")
