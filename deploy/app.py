@@ -54,7 +54,9 @@ def build_app(config: AppConfig) -> Application:
 def bind_app(config: AppConfig, engine_factory: EngineFactory = build_engine) -> Application:
     """Bind the stats board, the engine deployment (engines made by `engine_factory`) and the
     ingress for `config`; with one fixed replica (`engine_serves_http`), the engine replica is
-    the ingress too. The default model is converted here, once, before any replica.
+    the ingress too, and /metrics reads its stats in place: no stats board (a Ray worker
+    process of its own, whose wake-ups slowed the engine's steps on a machine whose every core
+    computes). The default model is converted here, once, before any replica.
 
     Connected to a Ray cluster, a replica that no node could hold, or more replicas than the
     nodes hold, are refused here with a ValueError (Serve would keep them pending without
@@ -77,12 +79,6 @@ def bind_app(config: AppConfig, engine_factory: EngineFactory = build_engine) ->
     if bundles is not None:
         placement = {"placement_group_bundles": bundles,
                      "placement_group_strategy": "STRICT_PACK"}
-    board = _deployment(StatsBoard).options(
-        name=STATS_BOARD_DEPLOYMENT, num_replicas=1,
-        ray_actor_options={"num_cpus": 0, "runtime_env": replica_runtime_env(True)},
-        max_ongoing_requests=1024,
-        logging_config={"enable_access_log": False},  # a report per replica per second
-    ).bind()
     settings = replica_settings(config, use_gpu and not where.gpu_in_replica, cpu_threads)
     ingress_args = (model_path, config.model_name, engine.scheduler.max_context_len,
                     config.max_request_bytes, api_key_of(config))
@@ -101,8 +97,14 @@ def bind_app(config: AppConfig, engine_factory: EngineFactory = build_engine) ->
         return _deployment(
             OpenAIIngress, rolling_update_percentage=config.rolling_update_percentage).options(
             num_replicas=1, max_ongoing_requests=MAX_INGRESS_ONGOING_REQUESTS, **replica_options,
-        ).bind(None, board, *ingress_args, **ingress_kwargs,
+        ).bind(None, None, *ingress_args, **ingress_kwargs,
                local_engine=LocalEngine(engine, settings, engine_factory))
+    board = _deployment(StatsBoard).options(
+        name=STATS_BOARD_DEPLOYMENT, num_replicas=1,
+        ray_actor_options={"num_cpus": 0, "runtime_env": replica_runtime_env(True)},
+        max_ongoing_requests=1024,
+        logging_config={"enable_access_log": False},  # a report per replica per second
+    ).bind()
     engine_deployment = _deployment(
         EngineServer, rolling_update_percentage=config.rolling_update_percentage).options(
         # above the engine's own admission bound, so the engine answers "overloaded" (503)

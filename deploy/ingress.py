@@ -102,7 +102,7 @@ async def _server_error(_: Request, error: Exception) -> JSONResponse:
 @serve.ingress(app)
 class OpenAIIngress(HostsEngine):
     def __init__(self, engine: "DeploymentHandle[EngineServer] | None",
-                 stats_board: "DeploymentHandle[StatsBoard]",
+                 stats_board: "DeploymentHandle[StatsBoard] | None",
                  model_path: str, model_name: str, max_context_len: int,
                  max_request_bytes: int, api_key: str | None = None,
                  cache_aware_router: bool = False, schedule_policy: str = "fcfs",
@@ -113,17 +113,19 @@ class OpenAIIngress(HostsEngine):
         loading with AutoTokenizer here would import torch (about 4 s of CPU and 300 MB in a
         replica that computes nothing). Without it the folder's tokenizer is loaded here.
         `local_engine` (with `engine` None): this replica is the engine replica too
-        (`engine_ingress.py`)."""
+        (`engine_ingress.py`), and /metrics reads its stats here unless a `stats_board` is
+        given (the engine deployment's replicas report to the board)."""
         take_normal_priority("the ingress")  # every request and token passes here (priority.py)
-        self.stats_board = local_handle(stats_board)
+        self.stats_board = local_handle(stats_board) if stats_board is not None else None
         self.engine: Any
         if local_engine is not None:
             self.engine_server = start_engine_server(local_engine, stats_board)
             self.engine = LocalEngineHandle(self.engine_server)
-        elif engine is not None:
+        elif engine is not None and stats_board is not None:
             self.engine = local_handle(engine)
         else:
-            raise ValueError("the ingress needs the engine deployment's handle or a local engine")
+            raise ValueError("the ingress needs a local engine, or the engine deployment's "
+                             "handle and the stats board")
         if tokenizer is None:
             from transformers import AutoTokenizer
 
@@ -152,7 +154,10 @@ class OpenAIIngress(HostsEngine):
 
     @app.get("/metrics")
     async def prometheus(self) -> PlainTextResponse:
-        stats = await self.stats_board.snapshot.remote()
+        if self.stats_board is not None:
+            stats = await self.stats_board.snapshot.remote()
+        else:  # the one engine replica is this one
+            stats = [await self.stats()]
         router_stats = await self._router_stats() if self.cache_aware_router else None
         return PlainTextResponse(render_metrics(self.metrics, stats, router_stats),
                                  media_type="text/plain; version=0.0.4")

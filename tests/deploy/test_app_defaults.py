@@ -108,7 +108,7 @@ def test_one_fixed_replica_is_its_own_ingress(model_folder: str) -> None:
     assert root.ray_actor_options["num_cpus"] == 2  # the engine's CPUs, not the ingress's 0
     assert root._deployment_config.num_replicas == 1
     bound = [a._bound_deployment.name for a in root.init_args if isinstance(a, Application)]
-    assert bound == [STATS_BOARD_DEPLOYMENT]  # no engine deployment behind it
+    assert bound == [] and root.init_args[1] is None  # no engine deployment, no board
     for split in ({"separate_ingress": True}, {"replicas": 2}, {"ingress_replicas": 2},
                   {"disable_engine_process": True},
                   {"autoscaling": AutoscalingSettings(max_replicas=2)}):
@@ -116,6 +116,7 @@ def test_one_fixed_replica_is_its_own_ingress(model_folder: str) -> None:
         assert app._bound_deployment.name == INGRESS_DEPLOYMENT, split
         assert app._bound_deployment.init_kwargs.get("local_engine") is None, split
         assert engine_deployment(app).name == ENGINE_DEPLOYMENT, split
+        assert app._bound_deployment.init_args[1]._bound_deployment.name == STATS_BOARD_DEPLOYMENT
 
 
 def test_one_fixed_replica_has_no_router_actor_to_feed(model_folder: str) -> None:

@@ -270,7 +270,7 @@ def test_an_ingress_of_its_own_takes_the_normal_priority(tiny_llama: Path) -> No
         assert wrapped.__name__ == "OpenAIIngress", wrapped
         ingress = object.__new__(OpenAIIngress)
         tokenizer = AutoTokenizer.from_pretrained({str(tiny_llama)!r})
-        wrapped.__init__(ingress, object(), None, {str(tiny_llama)!r}, "m", 256, 1 << 20,
+        wrapped.__init__(ingress, object(), object(), {str(tiny_llama)!r}, "m", 256, 1 << 20,
                          tokenizer=tokenizer)
         print(os.getpriority(os.PRIO_PROCESS, 0), ingress.engine_server is None)
     """)
