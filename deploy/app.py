@@ -55,8 +55,9 @@ def bind_app(config: AppConfig, engine_factory: EngineFactory = build_engine) ->
     """Bind the stats board, the engine deployment (engines made by `engine_factory`) and the
     ingress for `config`; with one fixed replica (`engine_serves_http`), the engine replica is
     the ingress too, and /metrics reads its stats in place: no stats board (a Ray worker
-    process of its own, whose wake-ups slowed the engine's steps on a machine whose every core
-    computes). The default model is converted here, once, before any replica.
+    process of its own: its memory, and CPU time taken from the engine's cores on a machine
+    whose every core computes). The default model is converted here, once, before any
+    replica.
 
     Connected to a Ray cluster, a replica that no node could hold, or more replicas than the
     nodes hold, are refused here with a ValueError (Serve would keep them pending without
