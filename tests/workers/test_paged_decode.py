@@ -198,6 +198,36 @@ def test_the_threads_split_the_work_not_the_result() -> None:
     assert torch.equal(one, two)  # each (request, KV head) is computed whole by one thread
 
 
+# a batch too small to give each thread several (request, KV head) tasks: each lone request's
+# keys in pieces of 64 or more, whose softmax states are merged. One request (pieces uneven:
+# 2,049 keys), peaked scores (a piece's maximum far below another's), a lone row too short to
+# split beside a long one, a shared group beside a lone long row
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_small_batch_splits_its_keys_and_agrees(dtype: torch.dtype) -> None:
+    kernel = _kernel(HK, D, G, dtype)
+    peaked = _case(1, 2049, dtype, 21, spread=40.0)
+    peaked[1].mul_(torch.linspace(0.1, 3.0, peaked[1].shape[0])[:, None, None].to(dtype))
+    short_and_long = _case(2, 700, dtype, 22)
+    short_and_long[4][1] = 40
+    cases = [peaked, short_and_long, _shared_case([(1, 0), (3, 64)], 500, dtype, 23)]
+    for q, k_buf, v_buf, slots, lens in cases:
+        got = kernel(q, k_buf, v_buf, slots, lens)
+        want = _per_request(q, k_buf, v_buf, slots, lens)
+        if dtype == torch.float32:
+            torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+        else:  # the float64 result rounded to bf16, met but for an ulp
+            assert (got.float() - want.to(torch.bfloat16).float()).abs().max() <= 2 ** -7
+    threads = torch.get_num_threads()
+    try:  # the pieces are the same on one thread as on two
+        torch.set_num_threads(1)
+        one = kernel(*peaked)
+        torch.set_num_threads(2)
+        two = kernel(*peaked)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+
+
 def test_paged_decode_builds_no_dense_kv_copy() -> None:
     kernel = _kernel(HK, D, G, torch.float32)
     batch, max_len = 16, 256
