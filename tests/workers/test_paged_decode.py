@@ -199,7 +199,7 @@ def test_the_threads_split_the_work_not_the_result() -> None:
 
 
 # a batch too small to give each thread several (request, KV head) tasks: each lone request's
-# keys in pieces of 64 or more, whose softmax states are merged. One request (pieces uneven:
+# keys in pieces of 256 or more, whose softmax states are merged. One request (pieces uneven:
 # 2,049 keys), peaked scores (a piece's maximum far below another's), a lone row too short to
 # split beside a long one, a shared group beside a lone long row
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

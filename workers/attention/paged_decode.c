@@ -545,12 +545,12 @@ static int64_t find_parts(const int64_t *slots, const int64_t *lens, int64_t bat
    running maximum, sum and accumulator (a `state`: GROUP rows of HEAD_DIM + 2 floats), which
    `merge` combines as the online softmax would have, had one pass taken them all. The pieces
    depend on the batch and the thread count (two and fewer alike), not on which thread runs
-   what. `paged_decode_bench.py`-like runs on the Zen 4 VM (30 layers' pools, two threads,
-   each against the unsplit kernel, alternated): one request of 576 keys 0.85-0.94x the time
-   in float32, 0.93-0.97x in bf16; 2,048 keys 0.78-0.83x / 0.80-0.84x; 4,096 keys 0.79x /
-   0.78x; four requests of 1,000 keys 0.94-0.97x / 0.92-0.93x. */
+   what. On the Zen 4 VM (30 layers' pools, two threads, slots in runs, alternated in one
+   process with the unsplit kernel): one request of 576 to 4,096 keys 0.80-0.82x the time in
+   float32, 0.84-0.93x in bf16; two requests of 1,000 keys 0.99-1.00x; 256 keys and fewer are
+   not split (in pieces of 64, a request of 128-256 bf16 keys took 1.1-1.2x the time). */
 #define SPLIT_TASKS 8      /* tasks a thread should have to choose from before keys are split */
-#define MIN_SPLIT_KEYS 64  /* no piece of a request's keys shorter */
+#define MIN_SPLIT_KEYS 256 /* no piece of a request's keys shorter */
 #define STATE (HEAD_DIM + 2)
 
 /* the queries of request b, KV head h, against keys [k0, k1) of its row: their state */
@@ -600,10 +600,11 @@ static int split_count(int64_t parts, int64_t num_kv_heads, int threads) {
   return tasks >= want ? 1 : (int)((want + tasks - 1) / tasks);
 }
 
-/* the batch's parts when few: each lone request's keys in up to `splits` parts of at least
+/* the batch's parts when few: each lone request's keys in up to `splits` pieces of at least
    MIN_SPLIT_KEYS, every (part, KV head, piece of keys) a task; then each split request's heads
-   merged. A part of several requests (a shared prefix) stays one task a head. */
-static void split_lone(const void *q, const void *k_buf, const void *v_buf, const int64_t *slots,
+   merged. A part of several requests (a shared prefix) stays one task a head. Returns 0, having
+   done nothing, where no request's keys are long enough to split. */
+static int split_lone(const void *q, const void *k_buf, const void *v_buf, const int64_t *slots,
                        const int64_t *lens, void *out, const int64_t *order,
                        const int64_t *start, const int64_t *shared, int64_t parts,
                        int64_t max_len, int64_t num_kv_heads, float scale, int threads,
@@ -612,14 +613,20 @@ static void split_lone(const void *q, const void *k_buf, const void *v_buf, cons
   int64_t *pieces = malloc(sizeof(int64_t) * 2 * (size_t)(parts + 1));
   int64_t *first = pieces + parts + 1;
   int64_t tasks = 0;
+  int any = 0;
   for (int64_t p = 0; p < parts; p++) {
     const int64_t b = order[start[p]];
     const int64_t len = lens[b] < max_len ? lens[b] : max_len;
     int64_t n = start[p + 1] - start[p] > 1 ? 1 : len / MIN_SPLIT_KEYS;
     n = n < 1 ? 1 : (n > splits ? splits : n);
     pieces[p] = n;
+    any |= n > 1;
     first[p] = tasks;
     tasks += n * num_kv_heads;
+  }
+  if (!any) {
+    free(pieces);
+    return 0;
   }
   float *states = malloc(sizeof(float) * (size_t)tasks * GROUP * STATE);
   _Pragma("omp parallel for schedule(dynamic, 1) num_threads(threads)")
@@ -649,6 +656,7 @@ static void split_lone(const void *q, const void *k_buf, const void *v_buf, cons
               order[start[p]], h, num_kv_heads, bf16);
   free(states);
   free(pieces);
+  return 1;
 }
 
 /* q and out `[batch, num_kv_heads, GROUP, HEAD_DIM]`; slots `[batch, max_len]`, of which the
@@ -661,11 +669,9 @@ static void split_lone(const void *q, const void *k_buf, const void *v_buf, cons
     int64_t *order = scratch, *start = order + batch, *shared = start + batch + 1;             \
     const int64_t parts = find_parts(slots, lens, batch, max_len, order, start, shared);       \
     const int splits = split_count(parts, num_kv_heads, threads);                              \
-    if (splits > 1) {                                                                          \
-      split_lone(q, k_buf, v_buf, slots, lens, out, order, start, shared, parts, max_len,      \
-                 num_kv_heads, scale, threads, splits, BF16);                                  \
+    if (splits > 1 && split_lone(q, k_buf, v_buf, slots, lens, out, order, start, shared,    \
+                                 parts, max_len, num_kv_heads, scale, threads, splits, BF16))  \
       return;                                                                                  \
-    }                                                                                          \
     _Pragma("omp parallel for schedule(dynamic, 1) num_threads(threads)")                     \
     for (int64_t item = 0; item < parts * num_kv_heads; item++) {                              \
       const int64_t p = item / num_kv_heads;                                                   \
