@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import subprocess
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
@@ -184,9 +185,9 @@ def test_paged_decode_bf16_pool() -> None:
     assert (got.float() - want.to(torch.bfloat16).float()).abs().max() <= 2 ** -7
 
 
-def test_the_threads_split_the_work_not_the_result() -> None:
-    kernel = _kernel(HK, D, G, torch.float32)
-    inputs = _case(9, 90, torch.float32, 11)
+def _on_one_and_two_threads(kernel: Callable[..., torch.Tensor],
+                            inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """`kernel(*inputs)` computed on one thread, then on two."""
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -195,6 +196,12 @@ def test_the_threads_split_the_work_not_the_result() -> None:
         two = kernel(*inputs)
     finally:
         torch.set_num_threads(threads)
+    return one, two
+
+
+def test_the_threads_split_the_work_not_the_result() -> None:
+    kernel = _kernel(HK, D, G, torch.float32)
+    one, two = _on_one_and_two_threads(kernel, _case(9, 90, torch.float32, 11))
     assert torch.equal(one, two)  # each (request, KV head) is computed whole by one thread
 
 
@@ -217,15 +224,8 @@ def test_a_small_batch_splits_its_keys_and_agrees(dtype: torch.dtype) -> None:
             torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
         else:  # the float64 result rounded to bf16, met but for an ulp
             assert (got.float() - want.to(torch.bfloat16).float()).abs().max() <= 2 ** -7
-    threads = torch.get_num_threads()
-    try:  # the pieces are the same on one thread as on two
-        torch.set_num_threads(1)
-        one = kernel(*peaked)
-        torch.set_num_threads(2)
-        two = kernel(*peaked)
-    finally:
-        torch.set_num_threads(threads)
-    assert torch.equal(one, two)
+    one, two = _on_one_and_two_threads(kernel, peaked)
+    assert torch.equal(one, two)  # the pieces are the same on one thread as on two
 
 
 def test_paged_decode_builds_no_dense_kv_copy() -> None:
