@@ -16,6 +16,13 @@ meanwhile (a shared machine's disturbance).
 
 `--quick` shrinks the shared-prefix and mixed workloads (4×4 and 16 prompts). The servers
 alternate their order from round to round. Nothing is fetched from a hub (HF_HUB_OFFLINE=1).
+
+`--together` starts both servers once and keeps them up side by side: each row then runs on one
+server and at once on the other (the order flips every round), after `--gap` seconds of quiet,
+so the two figures of a row come from the same minute of a machine whose pace drifts from
+minute to minute (a server idles while the other is timed; vLLM's engine keeps a core busy for
+about a second after each request, which the gap lets pass). CPU seconds are then each
+server's own tree over its rows.
 """
 
 from __future__ import annotations
@@ -217,6 +224,69 @@ def run_system(system: str, model_path: str, args: argparse.Namespace, work: lis
     return out
 
 
+def run_apart(model_path: str, args: argparse.Namespace, vocab: int, logs: Path,
+              rounds: list[dict[str, dict[str, Any]]]) -> None:
+    """One server at a time: each round starts each server, runs every row, stops it."""
+    for r in range(args.first_round - 1, args.first_round - 1 + args.rounds):
+        work = workloads(vocab, args.quick, seed=100 + r)
+        warm = warm_up(vocab, seed=900 + r)
+        order = args.systems if r % 2 == 0 else args.systems[::-1]
+        print(f"round {r + 1} ({' then '.join(order)}):", flush=True)
+        rounds.append({})
+        for system in order:
+            try:
+                rounds[-1][system] = run_system(system, model_path, args, work, warm,
+                                                logs / f"round{r + 1}")
+            except (RuntimeError, httpx.HTTPError) as e:  # reported, not hidden
+                print(f"  {system} FAILED: {e}", flush=True)
+                rounds[-1][system] = {"error": str(e)[-2000:]}
+            if args.json:
+                Path(args.json).write_text(json.dumps({"args": vars(args), "rounds": rounds},
+                                                      indent=2))
+
+
+def run_together(model_path: str, args: argparse.Namespace, vocab: int, logs: Path,
+                 rounds: list[dict[str, dict[str, Any]]]) -> None:
+    """Both servers up at once; each row on one server, then on the other (see the module's
+    docstring)."""
+    servers: dict[str, tuple[subprocess.Popen[bytes], str]] = {}
+    ready: dict[str, float] = {}
+    try:
+        for system in args.systems:
+            t0 = time.perf_counter()
+            servers[system] = start(system, model_path, args, logs / f"together-{system}.log")
+            ready[system] = time.perf_counter() - t0
+            print(f"  {system} ready in {ready[system]:.0f} s, load {_load()}", flush=True)
+        for w in warm_up(vocab, seed=900):
+            for _, url in servers.values():
+                drive(url, w)
+        for r in range(args.first_round - 1, args.first_round - 1 + args.rounds):
+            order = args.systems if r % 2 == 0 else args.systems[::-1]
+            print(f"round {r + 1} ({' then '.join(order)} on every row):", flush=True)
+            out: dict[str, dict[str, Any]] = {s: {} for s in order}
+            cpu = dict.fromkeys(order, 0.0)
+            for w in workloads(vocab, args.quick, seed=100 + r):
+                for system in order:
+                    proc, url = servers[system]
+                    time.sleep(args.gap)
+                    before = process_tree_cpu(proc.pid)
+                    out[system][w.name] = drive(url, w)
+                    by_role = cpu_per_token(before, process_tree_cpu(proc.pid), 1000)
+                    cpu[system] += sum(by_role.values())
+                    unit = "s" if w.metric == "ttft" else "tok/s"
+                    print(f"  {system:6s} {w.name}: {out[system][w.name]:.2f} {unit}", flush=True)
+            for system in order:  # the start is timed once, and shown in every round
+                out[system].update({"server CPU seconds": cpu[system],
+                                    "ready in (s)": ready[system]})
+            rounds.append(out)
+            if args.json:
+                Path(args.json).write_text(json.dumps({"args": vars(args), "rounds": rounds},
+                                                      indent=2))
+    finally:
+        for proc, _ in servers.values():
+            stop_server(proc)
+
+
 def _load() -> str:
     return " ".join(Path("/proc/loadavg").read_text().split()[:3])
 
@@ -232,6 +302,10 @@ def main() -> None:
                         choices=["raydix", "vllm"])
     parser.add_argument("--first-round", type=int, default=1, help="number of the first round "
                         "(its prompts and the servers' order), to run rounds as separate jobs")
+    parser.add_argument("--together", action="store_true", help="both servers up at once, "
+                        "each row run on one and then on the other")
+    parser.add_argument("--gap", type=float, default=3.0,
+                        help="--together: seconds of quiet before each row on each server")
     parser.add_argument("--json", help="write every round's figures here")
     parser.add_argument("--logs", help="keep each server's log in this folder")
     parser.add_argument("--report", nargs="+", metavar="JSON", help="only print the table of "
@@ -260,22 +334,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         logs = Path(args.logs or tmp)
         logs.mkdir(parents=True, exist_ok=True)
-        for r in range(args.first_round - 1, args.first_round - 1 + args.rounds):
-            work = workloads(vocab, args.quick, seed=100 + r)
-            warm = warm_up(vocab, seed=900 + r)
-            order = args.systems if r % 2 == 0 else args.systems[::-1]
-            print(f"round {r + 1} ({' then '.join(order)}):", flush=True)
-            rounds.append({})
-            for system in order:
-                try:
-                    rounds[-1][system] = run_system(system, model_path, args, work, warm,
-                                                    logs / f"round{r + 1}")
-                except (RuntimeError, httpx.HTTPError) as e:  # reported, not hidden
-                    print(f"  {system} FAILED: {e}", flush=True)
-                    rounds[-1][system] = {"error": str(e)[-2000:]}
-                if args.json:
-                    Path(args.json).write_text(json.dumps({"args": vars(args), "rounds": rounds},
-                                                          indent=2))
+        run = run_together if args.together else run_apart
+        run(model_path, args, vocab, logs, rounds)
     report({args.first_round + i: rd for i, rd in enumerate(rounds)})
 
 
