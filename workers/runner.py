@@ -32,11 +32,12 @@ from .host_kv_pool import check_copies, make_host_pool
 from .host_memory import keep_freed_memory
 from .kv_pool import KVPool, KVPoolConfig, MLAKVPool
 from .kv_prefault import KVPrefault
-from .layers import small_gemm
+from .layers import packed_gemv, small_gemm
 from .layers.embedding import ParallelLMHead
 from .layers.fused import fused_ops_for
 from .layers.packed import (
     pack_linear_layers,
+    packed_linear_weights,
     packing_supported,
     plain_linear_weights,
     rank_dtype,
@@ -97,6 +98,8 @@ class ModelRunner:
             if packing_supported(self.device, dtype):
                 if not use_graph or layers_packed(dtype):  # (native bf16: graph_head.py)
                     pack_linear_layers(self.model, config.max_running_requests)  # the only copy
+                    if dtype == torch.float32:  # how many rows its few-row kernel takes here
+                        packed_gemv.tune_f32(packed_linear_weights(self.model))
                 else:  # the graph reads the decoder layers' weights plain
                     if head_packed(self.model, dtype):
                         pack_linear_layers(self.model, config.max_running_requests,

@@ -1,10 +1,10 @@
 """Products of a few rows on oneDNN's packed weights read in place
 (workers/layers/packed_gemv.py), by each kernel this CPU runs (bf16: AMX tiles, 1-32 rows;
-AVX-512-BF16's dot products, 1-128 rows; float32: AVX-512's FMAs, 1-8 rows): equal to oneDNN's
-product and to a product in a wider type of the same values within the dtype's rounding; more
-rows stay with oneDNN; a layout the kernels do not read is found and left to oneDNN; inside the
-runner, decode steps of one stream and of a batch take them and give the tokens oneDNN's
-products give."""
+AVX-512-BF16's dot products, 1-128 rows; float32: AVX-512's FMAs, 1-8 rows, up to 32 as
+measured at start): equal to oneDNN's product and to a product in a wider type of the same
+values within the dtype's rounding; more rows stay with oneDNN; a layout the kernels do not read
+is found and left to oneDNN; inside the runner, decode steps of one stream and of a batch take
+them and give the tokens oneDNN's products give."""
 
 from __future__ import annotations
 
@@ -171,20 +171,21 @@ def _f32(*shape: int, seed: int) -> torch.Tensor:
 @needs_avx512
 @pytest.mark.parametrize(("out_features", "in_features"),
                          [(960, 576), (576, 1536), (192, 576), (64, 96), (128, 48)])
-def test_float32_equals_onednn_and_a_float64_product(out_features: int,
-                                                     in_features: int) -> None:
-    """A float32 weight packed for more than one row: the kernel takes 1 to `MAX_F32_ROWS`
-    rows (four at a time: whole and partial groups), within float32's sums of oneDNN's product
-    and of a float64 one; more rows are oneDNN's."""
+def test_float32_equals_onednn_and_a_float64_product(out_features: int, in_features: int,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A float32 weight packed for more than one row: the kernel takes as many rows as
+    `max_rows` gives (six at a time: whole and partial groups), within float32's sums of
+    oneDNN's product and of a float64 one; more rows are oneDNN's."""
     assert packed_gemv.warm_up()
+    monkeypatch.setattr(packed_gemv, "_f32_rows", packed_gemv.MAX_F32_ROWS)
     weight = _f32(out_features, in_features, seed=1)
     packed = pack_weight(weight, 64)
-    assert packed_gemv.register(packed) == 64 and packed_gemv.max_rows(torch.float32) == 8
+    assert packed_gemv.register(packed) == 64 and packed_gemv.max_rows(torch.float32) == 32
     calls = []
     real = packed_gemv._run
     try:
         packed_gemv._run = lambda *args: calls.append(args[0].shape[0]) or real(*args)  # type: ignore[assignment]
-        for rows in (1, 2, 3, 4, 5, 7, 8, 9, 16):
+        for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 13, 16, 32, 33):
             x = _f32(rows, in_features, seed=rows)
             got = packed_product(x, packed, None)
             assert got.dtype == torch.float32 and got.shape == (rows, out_features)
@@ -195,7 +196,51 @@ def test_float32_equals_onednn_and_a_float64_product(out_features: int,
             torch.testing.assert_close(got, onednn, atol=tolerance, rtol=0)
     finally:
         packed_gemv._run = real  # type: ignore[assignment]
-    assert calls == [1, 2, 3, 4, 5, 7, 8]
+    assert calls == [1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 13, 16, 32]
+
+
+@needs_avx512
+@pytest.mark.parametrize(("kernel_wins", "limit"),
+                         [((True, True), 32), ((True, False), 16), ((False, True), 8)])
+def test_float32_rows_as_measured(kernel_wins: tuple[bool, bool], limit: int,
+                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """`tune_f32` lets the float32 kernel take up to the most rows of `F32_TUNE_ROWS` at which
+    it and every smaller count timed faster than oneDNN, `F32_KNOWN_ROWS` at least; products
+    follow the limit."""
+    assert packed_gemv.warm_up()
+    monkeypatch.setattr(packed_gemv, "_f32_rows", packed_gemv.F32_KNOWN_ROWS)
+    assert packed_gemv.F32_TUNE_ROWS == (16, 32) and packed_gemv.F32_KNOWN_ROWS == 8
+    wins = dict(zip(packed_gemv.F32_TUNE_ROWS, kernel_wins, strict=True))
+    timed = []
+
+    def seconds(weights: list[torch.Tensor], rows: int, kernel: bool) -> float:
+        timed.append((rows, kernel))
+        return (1.0 if wins[rows] else 2.0) if kernel else 1.5
+
+    monkeypatch.setattr(packed_gemv, "_pass_seconds", seconds)
+    packed = pack_weight(_f32(128, 64, seed=6), 64)
+    assert packed_gemv.register(packed) == 64
+    assert packed_gemv.tune_f32([packed]) == limit == packed_gemv.max_rows(torch.float32)
+    assert timed[:2] == [(16, True), (16, False)]  # stops at the first count it loses
+    assert len(timed) == (2 if not kernel_wins[0] else 4)
+    x = _f32(limit + 1, 64, seed=7)
+    assert packed_gemv.product(x[:limit], packed) is not None
+    assert packed_gemv.product(x, packed) is None
+
+
+@needs_avx512
+def test_float32_tune_times_the_real_products(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unpatched, `tune_f32` times both products on the weights the kernel reads (and only
+    those) and settles on one of its limits; weights it does not read leave the limit alone."""
+    assert packed_gemv.warm_up()
+    monkeypatch.setattr(packed_gemv, "_f32_rows", packed_gemv.F32_KNOWN_ROWS)
+    row_major = pack_weight(_f32(128, 64, seed=2), 1)
+    assert packed_gemv.register(row_major) == 0
+    assert packed_gemv.tune_f32([row_major]) == packed_gemv.F32_KNOWN_ROWS
+    packed = [pack_weight(_f32(256, 128, seed=s), 64) for s in range(3)]
+    assert all(packed_gemv.register(p) == 64 for p in packed)
+    limit = packed_gemv.tune_f32(packed + [row_major])
+    assert limit in (8, 16, 32) and packed_gemv.max_rows(torch.float32) == limit
 
 
 @needs_avx512

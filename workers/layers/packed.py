@@ -144,6 +144,12 @@ def plain_linear_weights(model: nn.Module) -> list[torch.Tensor]:
             if hasattr(m, "packed_weight") and isinstance(m.weight, torch.Tensor)]
 
 
+def packed_linear_weights(model: nn.Module) -> list[torch.Tensor]:
+    """The packed weights of `model`'s linear layers."""
+    weights = (getattr(m, "packed_weight", None) for m in model.modules())
+    return [w for w in weights if isinstance(w, torch.Tensor)]
+
+
 def weight_bytes(model: nn.Module) -> int:
     """Bytes of every weight the model holds: parameters and packed weights."""
     total = sum(p.numel() * p.element_size() for p in model.parameters())

@@ -20,11 +20,15 @@ cores of an AMD EPYC Zen 5 (AVX-512-BF16, no AMX; 46 GB/s streamed), 16-17 at 16
   eight, 1.5x at sixteen.)
 
 float32 (session 33): a packed float32 weight is blocks of 64 outputs, each input's 64 outputs
-side by side; the float32 kernel reads it with four FMAs an input, 1 to `MAX_F32_ROWS` rows,
-four at a time. On the Zen 5 (30 layers' weights from memory, two threads), its time against
-oneDNN's product on the same packed weight: 0.72x at one row, 0.76x at two, 0.88-0.91x at
-three to eight, 1.02x at 16, 1.09x at 32 (so 8 at most); against `small_gemm` on the plain
-weights (the few-row kernel float32 layers used while they stayed plain) 0.53-0.75x.
+side by side; the float32 kernel reads it with four FMAs an input per row. Four rows a pass on
+the Zen 5 (30 layers' weights from memory, two threads), its time against oneDNN's product on
+the same packed weight: 0.72x at one row, 0.76x at two, 0.88-0.91x at three to eight, 1.02x at
+16, 1.09x at 32; against `small_gemm` on the plain weights (the few-row kernel float32 layers
+used while they stayed plain) 0.53-0.75x. Six rows a pass (session 37) on an AMD EPYC Zen 4:
+0.76-0.86x the time of four at 6 to 32 rows, and against oneDNN 0.58-0.64x at one to four rows,
+0.62-0.69x at 8 to 12, 0.82-0.88x at 16, 0.83-0.95x at 24 to 32. So the kernel takes 1 to
+`F32_KNOWN_ROWS` rows everywhere, and up to `MAX_F32_ROWS` where `tune_f32` measured it faster
+than oneDNN on the model's own weights at start.
 
 Equal results within bf16's rounding (both sum in float32 and round once); in float32 within
 the order of the sums. More rows, and prompts, keep oneDNN's product on the same packed weight
@@ -43,6 +47,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import time
 import weakref
 from pathlib import Path
 
@@ -56,7 +61,9 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("packed_gemv.c")
 MAX_ROWS = 128  # the dot-product kernel's (packed_gemv.c); more rows take oneDNN's product
 MAX_TILE_ROWS = 32  # the tiles' kernel's
-MAX_F32_ROWS = 8  # the float32 kernel's
+F32_KNOWN_ROWS = 8  # the float32 kernel's rows on every CPU with AVX-512 (faster at 1 to 8)
+MAX_F32_ROWS = 32  # the most `tune_f32` may give it
+F32_TUNE_ROWS = (16, 32)  # the rows `tune_f32` times, past F32_KNOWN_ROWS
 ENABLED = True  # False: every product takes oneDNN's (benchmarks/path_bench.py compares)
 BLOCKS = (32, 64)  # output rows of a block of oneDNN's AB16b<block>a2b layout (bf16)
 F32_BLOCKS = (64,)  # output rows of a block of oneDNN's packed float32 layout
@@ -65,6 +72,7 @@ _lib: ctypes.CDLL | None = None
 _failed: str | None = None
 _tiles = False  # the tiles' kernel is built and Linux granted the tiles
 _bf16 = False  # the bf16 dot products' kernel is built (the CPU has AVX-512-BF16)
+_f32_rows = F32_KNOWN_ROWS  # the float32 kernel's rows here (`tune_f32`)
 # id of a packed weight -> the output block of its layout and its data's address (weights no
 # block agrees with are absent); an entry leaves with its weight (`weakref.finalize`), before
 # its id can be reused
@@ -114,10 +122,51 @@ def max_rows(dtype: torch.dtype = torch.bfloat16) -> int:
     if _lib is None:
         return 0
     if dtype == torch.float32:
-        return MAX_F32_ROWS
+        return _f32_rows
     if dtype != torch.bfloat16 or not _bf16:
         return 0
     return MAX_TILE_ROWS if _tiles else MAX_ROWS
+
+
+def tune_f32(weights: list[torch.Tensor]) -> int:
+    """Time the float32 kernel against oneDNN's product on the model's packed weights that
+    `register` recorded (one pass over them all, as a decode step reads them: from memory) at
+    `F32_TUNE_ROWS`, and let it take up to the most rows at which it and every smaller count
+    timed won, `F32_KNOWN_ROWS` at least. Returns the limit, logged."""
+    global _f32_rows
+    weights = [w for w in weights if w.dtype == torch.float32 and w.is_mkldnn and block_of(w)]
+    if not weights or _lib is None:
+        return max_rows(torch.float32)
+    limit, timed = F32_KNOWN_ROWS, []
+    for rows in F32_TUNE_ROWS:
+        kernel_s = _pass_seconds(weights, rows, kernel=True)
+        onednn_s = _pass_seconds(weights, rows, kernel=False)
+        timed.append(f"{rows} rows {kernel_s * 1e3:.1f} against {onednn_s * 1e3:.1f} ms")
+        if kernel_s > onednn_s:
+            break
+        limit = rows
+    _f32_rows = min(limit, MAX_F32_ROWS)
+    logger.info("float32 packed-weight kernel: up to %d rows (a pass over %d weights, kernel "
+                "against oneDNN: %s)", _f32_rows, len(weights), "; ".join(timed))
+    return _f32_rows
+
+
+def _pass_seconds(weights: list[torch.Tensor], rows: int, kernel: bool) -> float:
+    """Seconds of one product of `rows` rows with each weight in turn, the best of two passes
+    after one untimed (oneDNN builds its primitive on the first call)."""
+    xs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}
+    best = float("inf")
+    for attempt in range(3):
+        start = time.perf_counter()
+        for w in weights:
+            x = xs[w.shape[1]]
+            if kernel:
+                _run(x, w, *_blocks[id(w)])
+            else:
+                torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+        if attempt:
+            best = min(best, time.perf_counter() - start)
+    return best
 
 
 def register(packed: torch.Tensor) -> int:
