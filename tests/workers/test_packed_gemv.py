@@ -213,16 +213,15 @@ def test_float32_rows_as_measured(kernel_wins: tuple[bool, bool], limit: int,
     wins = dict(zip(packed_gemv.F32_TUNE_ROWS, kernel_wins, strict=True))
     timed = []
 
-    def seconds(weights: list[torch.Tensor], rows: int, kernel: bool) -> float:
-        timed.append((rows, kernel))
-        return (1.0 if wins[rows] else 2.0) if kernel else 1.5
+    def seconds(weights: list[torch.Tensor], rows: int) -> tuple[float, float]:
+        timed.append(rows)
+        return (1.0 if wins[rows] else 2.0), 1.5
 
     monkeypatch.setattr(packed_gemv, "_pass_seconds", seconds)
     packed = pack_weight(_f32(128, 64, seed=6), 64)
     assert packed_gemv.register(packed) == 64
     assert packed_gemv.tune_f32([packed]) == limit == packed_gemv.max_rows(torch.float32)
-    assert timed[:2] == [(16, True), (16, False)]  # stops at the first count it loses
-    assert len(timed) == (2 if not kernel_wins[0] else 4)
+    assert timed == ([16] if not kernel_wins[0] else [16, 32])  # stops at the first it loses
     x = _f32(limit + 1, 64, seed=7)
     assert packed_gemv.product(x[:limit], packed) is not None
     assert packed_gemv.product(x, packed) is None

@@ -139,8 +139,7 @@ def tune_f32(weights: list[torch.Tensor]) -> int:
         return max_rows(torch.float32)
     limit, timed = F32_KNOWN_ROWS, []
     for rows in F32_TUNE_ROWS:
-        kernel_s = _pass_seconds(weights, rows, kernel=True)
-        onednn_s = _pass_seconds(weights, rows, kernel=False)
+        kernel_s, onednn_s = _pass_seconds(weights, rows)
         timed.append(f"{rows} rows {kernel_s * 1e3:.1f} against {onednn_s * 1e3:.1f} ms")
         if kernel_s > onednn_s:
             break
@@ -151,12 +150,16 @@ def tune_f32(weights: list[torch.Tensor]) -> int:
     return _f32_rows
 
 
-def _pass_seconds(weights: list[torch.Tensor], rows: int, kernel: bool) -> float:
-    """Seconds of one product of `rows` rows with each weight in turn, the best of two passes
-    after one untimed (oneDNN builds its primitive on the first call)."""
+TUNE_PASSES = 4  # timed passes of each product, alternated (the machine's pace drifts)
+
+
+def _pass_seconds(weights: list[torch.Tensor], rows: int) -> tuple[float, float]:
+    """Seconds of one product of `rows` rows with each weight in turn, by the kernel and by
+    oneDNN: the best of `TUNE_PASSES` each, the two alternated (which goes first flips every
+    pass), after one untimed pass of each (oneDNN builds its primitives on the first call)."""
     xs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}
-    best = float("inf")
-    for attempt in range(3):
+
+    def one_pass(kernel: bool) -> float:
         start = time.perf_counter()
         for w in weights:
             x = xs[w.shape[1]]
@@ -164,9 +167,14 @@ def _pass_seconds(weights: list[torch.Tensor], rows: int, kernel: bool) -> float
                 _run(x, w, *_blocks[id(w)])
             else:
                 torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
-        if attempt:
-            best = min(best, time.perf_counter() - start)
-    return best
+        return time.perf_counter() - start
+
+    one_pass(True), one_pass(False)
+    best = {True: float("inf"), False: float("inf")}
+    for attempt in range(TUNE_PASSES):
+        for kernel in (True, False) if attempt % 2 == 0 else (False, True):
+            best[kernel] = min(best[kernel], one_pass(kernel))
+    return best[True], best[False]
 
 
 def register(packed: torch.Tensor) -> int:
