@@ -180,12 +180,12 @@ def test_float32_equals_onednn_and_a_float64_product(out_features: int, in_featu
     monkeypatch.setattr(packed_gemv, "_f32_rows", packed_gemv.MAX_F32_ROWS)
     weight = _f32(out_features, in_features, seed=1)
     packed = pack_weight(weight, 64)
-    assert packed_gemv.register(packed) == 64 and packed_gemv.max_rows(torch.float32) == 32
+    assert packed_gemv.register(packed) == 64 and packed_gemv.max_rows(torch.float32) == 64
     calls = []
     real = packed_gemv._run
     try:
         packed_gemv._run = lambda *args: calls.append(args[0].shape[0]) or real(*args)  # type: ignore[assignment]
-        for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 13, 16, 32, 33):
+        for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 13, 16, 32, 47, 64, 65):
             x = _f32(rows, in_features, seed=rows)
             got = packed_product(x, packed, None)
             assert got.dtype == torch.float32 and got.shape == (rows, out_features)
@@ -196,20 +196,21 @@ def test_float32_equals_onednn_and_a_float64_product(out_features: int, in_featu
             torch.testing.assert_close(got, onednn, atol=tolerance, rtol=0)
     finally:
         packed_gemv._run = real  # type: ignore[assignment]
-    assert calls == [1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 13, 16, 32]
+    assert calls == [1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 13, 16, 32, 47, 64]
 
 
 @needs_avx512
 @pytest.mark.parametrize(("kernel_wins", "limit"),
-                         [((True, True), 32), ((True, False), 16), ((False, True), 8)])
-def test_float32_rows_as_measured(kernel_wins: tuple[bool, bool], limit: int,
+                         [((True, True, True), 64), ((True, True, False), 32),
+                          ((True, False, True), 16), ((False, True, True), 8)])
+def test_float32_rows_as_measured(kernel_wins: tuple[bool, bool, bool], limit: int,
                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """`tune_f32` lets the float32 kernel take up to the most rows of `F32_TUNE_ROWS` at which
     it and every smaller count timed faster than oneDNN, `F32_KNOWN_ROWS` at least; products
     follow the limit."""
     assert packed_gemv.warm_up()
     monkeypatch.setattr(packed_gemv, "_f32_rows", packed_gemv.F32_KNOWN_ROWS)
-    assert packed_gemv.F32_TUNE_ROWS == (16, 32) and packed_gemv.F32_KNOWN_ROWS == 8
+    assert packed_gemv.F32_TUNE_ROWS == (16, 32, 64) and packed_gemv.F32_KNOWN_ROWS == 8
     wins = dict(zip(packed_gemv.F32_TUNE_ROWS, kernel_wins, strict=True))
     timed = []
 
@@ -221,7 +222,8 @@ def test_float32_rows_as_measured(kernel_wins: tuple[bool, bool], limit: int,
     packed = pack_weight(_f32(128, 64, seed=6), 64)
     assert packed_gemv.register(packed) == 64
     assert packed_gemv.tune_f32([packed]) == limit == packed_gemv.max_rows(torch.float32)
-    assert timed == ([16] if not kernel_wins[0] else [16, 32])  # stops at the first it loses
+    lost = kernel_wins.index(False) if False in kernel_wins else len(kernel_wins) - 1
+    assert timed == list(packed_gemv.F32_TUNE_ROWS[:lost + 1])  # stops at the first it loses
     x = _f32(limit + 1, 64, seed=7)
     assert packed_gemv.product(x[:limit], packed) is not None
     assert packed_gemv.product(x, packed) is None
@@ -239,7 +241,7 @@ def test_float32_tune_times_the_real_products(monkeypatch: pytest.MonkeyPatch) -
     packed = [pack_weight(_f32(256, 128, seed=s), 64) for s in range(3)]
     assert all(packed_gemv.register(p) == 64 for p in packed)
     limit = packed_gemv.tune_f32(packed + [row_major])
-    assert limit in (8, 16, 32) and packed_gemv.max_rows(torch.float32) == limit
+    assert limit in (8, 16, 32, 64) and packed_gemv.max_rows(torch.float32) == limit
 
 
 @needs_avx512

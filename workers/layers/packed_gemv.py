@@ -62,8 +62,8 @@ SOURCE = Path(__file__).with_name("packed_gemv.c")
 MAX_ROWS = 128  # the dot-product kernel's (packed_gemv.c); more rows take oneDNN's product
 MAX_TILE_ROWS = 32  # the tiles' kernel's
 F32_KNOWN_ROWS = 8  # the float32 kernel's rows on every CPU with AVX-512 (faster at 1 to 8)
-MAX_F32_ROWS = 32  # the most `tune_f32` may give it
-F32_TUNE_ROWS = (16, 32)  # the rows `tune_f32` times, past F32_KNOWN_ROWS
+F32_TUNE_ROWS = (16, 32, 64)  # the rows `tune_f32` times, past F32_KNOWN_ROWS
+MAX_F32_ROWS = F32_TUNE_ROWS[-1]  # the most `tune_f32` may give it
 ENABLED = True  # False: every product takes oneDNN's (benchmarks/path_bench.py compares)
 BLOCKS = (32, 64)  # output rows of a block of oneDNN's AB16b<block>a2b layout (bf16)
 F32_BLOCKS = (64,)  # output rows of a block of oneDNN's packed float32 layout
@@ -144,7 +144,7 @@ def tune_f32(weights: list[torch.Tensor]) -> int:
         if kernel_s > onednn_s:
             break
         limit = rows
-    _f32_rows = min(limit, MAX_F32_ROWS)
+    _f32_rows = limit
     logger.info("float32 packed-weight kernel: up to %d rows (a pass over %d weights, kernel "
                 "against oneDNN: %s)", _f32_rows, len(weights), "; ".join(timed))
     return _f32_rows
