@@ -64,9 +64,10 @@ def test_equals_onednn_and_a_float32_product(out_features: int, in_features: int
     real = packed_gemv._run
     try:
         packed_gemv._run = lambda *args: calls.append(args[0].shape[0]) or real(*args)  # type: ignore[assignment]
-        # one and two rows; the dot products' groups of four, whole and partial (6: 4 + 2), the
-        # tiles' group of 16 and a partial second one; the most
-        for rows in sorted({1, 2, 3, 6, 16, 17, most, most + 1}):
+        # one and two rows; the dot products' passes of six, whole and partial, with fewer rows
+        # than nine and from nine (where each pass also asks for the next block); the tiles'
+        # group of 16 and a partial second one; the most
+        for rows in sorted({1, 2, 3, 6, 7, 9, 16, 17, most, most + 1}):
             x = _bf16(rows, in_features, seed=rows)
             got = packed_product(x, packed, None)
             assert got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
