@@ -80,6 +80,37 @@ def test_as_close_to_an_exact_reference_as_flash(prefix: int, n: int, num_q_head
         assert err <= 2 * flash_err + 1e-6, (err, flash_err)
 
 
+@pytest.mark.parametrize(("prefix", "n", "num_kv_heads", "head_dim"),
+                         [(0, 40, 3, 64), (512, 64, 3, 64), (600, 17, 2, 128)])
+def test_on_the_pages_equals_the_keys_gathered_first(prefix: int, n: int, num_kv_heads: int,
+                                                     head_dim: int, kind: str) -> None:
+    """Given the pool's buffers and each key's row in them (slots scattered, as a cache that
+    freed and reused them leaves them), the kernel reads the keys and values in place: the
+    same result, bit for bit, as on the same keys gathered into [Hk, L, D] first; rows outside
+    the buffers or of another type are refused."""
+    dtype = extend_kernel.KERNELS[kind]
+    gen = torch.Generator().manual_seed(prefix + n)
+    num_slots, length = 2000, prefix + n
+    k_buf = torch.randn(num_slots, num_kv_heads, head_dim, generator=gen).to(dtype)
+    v_buf = torch.randn(num_slots, num_kv_heads, head_dim, generator=gen).to(dtype)
+    slots = torch.randperm(num_slots, generator=gen)[:length]
+    rows = (slots[None, :] * num_kv_heads + torch.arange(num_kv_heads)[:, None]).reshape(-1)
+    q = torch.randn(n, 3 * num_kv_heads, head_dim, generator=gen).to(dtype)
+    shape = (num_kv_heads, length, head_dim)
+    k = k_buf.view(-1, head_dim)[rows].view(shape)
+    v = v_buf.view(-1, head_dim)[rows].view(shape)
+    want = extend_kernel.attention(q, k, v, head_dim ** -0.5, kind=kind)
+    got = extend_kernel.attention(q, k_buf, v_buf, head_dim ** -0.5, kind=kind, rows=rows)
+    assert torch.equal(got, want)
+    exact = _exact(q, k, v, prefix, head_dim ** -0.5)
+    assert (got.double() - exact).abs().max().item() < (2 ** -7 if dtype == torch.bfloat16
+                                                        else 1e-5)
+    for bad in (rows.clone().index_fill_(0, torch.tensor([5]), num_slots * num_kv_heads),
+                rows.clone().index_fill_(0, torch.tensor([0]), -1), rows.int(), rows[1:]):
+        with pytest.raises(ValueError, match="extend attention on the pool"):
+            extend_kernel.attention(q, k_buf, v_buf, 0.125, kind=kind, rows=bad)
+
+
 def test_a_query_never_sees_a_later_key(kind: str) -> None:
     """Changing the keys and values after position p leaves rows up to p unchanged."""
     dtype = extend_kernel.KERNELS[kind]
@@ -126,12 +157,18 @@ def dim64_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _record_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The prefix length of each extend the backend sends to the kernel, in order."""
+    """The prefix length of each extend the backend sends to the kernel, in order; each must
+    read the keys on the pool's pages (rows given, no copy gathered first)."""
     calls: list[int] = []
     real = extend_kernel.attention
-    monkeypatch.setattr(torch_backend.extend_kernel, "attention",
-                        lambda q, k, *rest: calls.append(k.shape[1] - q.shape[0])
-                        or real(q, k, *rest))
+
+    def record(q: torch.Tensor, k: torch.Tensor, *rest: object,
+               rows: torch.Tensor | None = None, **kw: object) -> torch.Tensor:
+        assert rows is not None and k.dim() == 3, "the keys gathered, not read on the pages"
+        calls.append(rows.numel() // k.shape[1] - q.shape[0])
+        return real(q, k, *rest, rows=rows, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(torch_backend.extend_kernel, "attention", record)
     return calls
 
 

@@ -6,8 +6,10 @@
    rounded to bf16 for their product with v (as torch's flash kernel does); in float32
    everything stays float32.
 
-   q [n, hq, d] and out [n, hq, d]; k and v [hk, L, d] (L = prefix + n), head h of the queries
-   reads head h / (hq / hk) of the keys. Each task is 16 query rows of one head (the last rows
+   q [n, hq, d] and out [n, hq, d]; k and v [hk, L, d] (L = prefix + n), or, given `kv_rows`
+   [hk, L], the KV pool's buffers read in place: key j of head h is row kv_rows[h * L + j] of k
+   and v seen as [rows, d] (no copy of a request's keys and values gathered first). Head h of
+   the queries reads head h / (hq / hk) of the keys. Each task is 16 query rows of one head (the last rows
    of the prompt first: they see the most keys): their scores against 64 keys at a time (a
    round), the rows' softmax on the 16 x (up to) 512 scores in memory, and the weights times
    the values summed into 16 x d floats. Keys come in chunks of 512: the running maximum and
@@ -40,6 +42,9 @@
 #define KC 512 /* keys a chunk */
 #define LOWEST -1e30f /* a maximum before any score (finite: built with finite math) */
 
+/* key (or value) row j of one key head: at `base` + j rows, or at the row `rows` names */
+#define KV_ROW(base, rows, j, d) ((base) + ((rows) ? (rows)[j] : (j)) * (d))
+
 #if TILES
 typedef struct {
   uint8_t palette_id, start_row, reserved[14];
@@ -66,11 +71,13 @@ typedef float elem; /* q, k, v, out and the softmax's weights */
 typedef float key_block; /* kt's lanes */
 
 /* kt[(j * d + c) * 16 + key] = k[j * 16 + key][c]; zero past L */
-static void pack_k(const float *k, int64_t L, int64_t lp, int64_t d, float *kt) {
+static void pack_k(const float *k, const int64_t *rows, int64_t L, int64_t lp, int64_t d,
+                   float *kt) {
   for (int64_t j = 0; j < lp / 16; j++)
     for (int64_t key = 0; key < 16; key++) {
       const int64_t row = j * 16 + key;
-      for (int64_t c = 0; c < d; c++) kt[(j * d + c) * 16 + key] = row < L ? k[row * d + c] : 0.f;
+      const float *src = row < L ? KV_ROW(k, rows, row, d) : NULL;
+      for (int64_t c = 0; c < d; c++) kt[(j * d + c) * 16 + key] = src ? src[c] : 0.f;
     }
 }
 
@@ -79,24 +86,28 @@ typedef uint16_t elem;
 typedef uint32_t key_block;
 
 /* kt[(j * d/2 + p) * 16 + key] (32-bit pairs) = k[j * 16 + key][2p, 2p + 1]; zero past L */
-static void pack_k(const uint16_t *k, int64_t L, int64_t lp, int64_t d, uint32_t *kt) {
+static void pack_k(const uint16_t *k, const int64_t *rows, int64_t L, int64_t lp, int64_t d,
+                   uint32_t *kt) {
   const int64_t pairs = d / 2;
   for (int64_t j = 0; j < lp / 16; j++)
     for (int64_t key = 0; key < 16; key++) {
       const int64_t row = j * 16 + key;
-      const uint32_t *src = (const uint32_t *)(k + row * d);
+      const uint32_t *src = row < L ? (const uint32_t *)KV_ROW(k, rows, row, d) : NULL;
       for (int64_t p = 0; p < pairs; p++)
-        kt[(j * pairs + p) * 16 + key] = row < L ? src[p] : 0u;
+        kt[(j * pairs + p) * 16 + key] = src ? src[p] : 0u;
     }
 }
 
 /* vt[(kp * d + c) * 2 + e] = v[2 kp + e][c]; zero past L */
-static void pack_v(const uint16_t *v, int64_t L, int64_t lp, int64_t d, uint16_t *vt) {
+static void pack_v(const uint16_t *v, const int64_t *rows, int64_t L, int64_t lp, int64_t d,
+                   uint16_t *vt) {
   for (int64_t kp = 0; kp < lp / 2; kp++) {
     const int64_t r0 = 2 * kp, r1 = 2 * kp + 1;
+    const uint16_t *v0 = r0 < L ? KV_ROW(v, rows, r0, d) : NULL;
+    const uint16_t *v1 = r1 < L ? KV_ROW(v, rows, r1, d) : NULL;
     for (int64_t c = 0; c < d; c++) {
-      vt[(kp * d + c) * 2] = r0 < L ? v[r0 * d + c] : 0;
-      vt[(kp * d + c) * 2 + 1] = r1 < L ? v[r1 * d + c] : 0;
+      vt[(kp * d + c) * 2] = v0 ? v0[c] : 0;
+      vt[(kp * d + c) * 2 + 1] = v1 ? v1[c] : 0;
     }
   }
 }
@@ -136,8 +147,10 @@ static void scores(const float *qpad, const float *kt, int64_t c0, int64_t cnp, 
   }
 }
 
-/* o[16][d] += p[16][0, cn) v[c0 .. c0 + cn] (v [L, d] of one key head, read in place) */
-static void weigh(const float *p, const float *v, int64_t c0, int64_t cn, int64_t d, float *o) {
+/* o[16][d] += p[16][0, cn) v[c0 .. c0 + cn] (v's rows of one key head, read in place: at v, or
+   where `rows` names them) */
+static void weigh(const float *p, const float *v, const int64_t *rows, int64_t c0, int64_t cn,
+                  int64_t d, float *o) {
   for (int64_t dg = 0; dg < d; dg += 64)
     for (int64_t r = 0; r < QB; r += 4) {
       __m512 acc[4][4];
@@ -146,7 +159,7 @@ static void weigh(const float *p, const float *v, int64_t c0, int64_t cn, int64_
 #pragma GCC unroll 4
         for (int b = 0; b < 4; b++) acc[rr][b] = _mm512_loadu_ps(o + (r + rr) * d + dg + 16 * b);
       for (int64_t key = 0; key < cn; key++) {
-        const float *vb = v + (c0 + key) * d + dg;
+        const float *vb = KV_ROW(v, rows, c0 + key, d) + dg;
         __m512 vv[4];
 #pragma GCC unroll 4
         for (int b = 0; b < 4; b++) vv[b] = _mm512_loadu_ps(vb + 16 * b);
@@ -378,16 +391,20 @@ static void softmax_row(const float *s, int64_t lim, int64_t cnp, float scale, e
       _mm512_storeu_ps(o + c, _mm512_mul_ps(_mm512_loadu_ps(o + c), _mm512_set1_ps(alpha)));
 }
 
-void extend_attention(const elem *q, const elem *k, const elem *v, elem *out, int64_t n,
-                      int64_t L, int64_t hq, int64_t hk, int64_t d, float scale, int threads) {
+void extend_attention(const elem *q, const elem *k, const elem *v, const int64_t *kv_rows,
+                      elem *out, int64_t n, int64_t L, int64_t hq, int64_t hk, int64_t d,
+                      float scale, int threads) {
   const int64_t lp = (L + 63) / 64 * 64, prefix = L - n, group = hq / hk;
   const int64_t nqb = (n + QB - 1) / QB;
+/* key head h's first row (contiguous k, v) or its row numbers (the pool's) */
+#define HEAD(buf, h) (kv_rows ? (buf) : (buf) + (h) * L * d)
+#define HEAD_ROWS(h) (kv_rows ? kv_rows + (h) * L : NULL)
   /* the keys rearranged (k's bytes, padded to lp keys); bf16 the values too */
   const int64_t k_lanes = lp * d * (int64_t)sizeof(elem) / (int64_t)sizeof(key_block);
   key_block *kt = aligned_alloc(64, (size_t)(hk * lp * d) * sizeof(elem));
 #if F32
   const float *vt = v;
-  const int64_t v_stride = L * d;
+  const int64_t v_stride = kv_rows ? 0 : L * d; /* on the pool every head reads from v */
 #else
   uint16_t *vt = aligned_alloc(64, (size_t)(hk * lp * d * 2));
   const int64_t v_stride = lp * d;
@@ -396,14 +413,14 @@ void extend_attention(const elem *q, const elem *k, const elem *v, elem *out, in
   {
 #if F32
 #pragma omp for schedule(static)
-    for (int64_t h = 0; h < hk; h++) pack_k(k + h * L * d, L, lp, d, kt + h * k_lanes);
+    for (int64_t h = 0; h < hk; h++) pack_k(HEAD(k, h), HEAD_ROWS(h), L, lp, d, kt + h * k_lanes);
 #else
 #pragma omp for schedule(static)
     for (int64_t h = 0; h < 2 * hk; h++) {
       if (h < hk)
-        pack_k(k + h * L * d, L, lp, d, kt + h * k_lanes);
+        pack_k(HEAD(k, h), HEAD_ROWS(h), L, lp, d, kt + h * k_lanes);
       else
-        pack_v(v + (h - hk) * L * d, L, lp, d, vt + (h - hk) * v_stride);
+        pack_v(HEAD(v, h - hk), HEAD_ROWS(h - hk), L, lp, d, vt + (h - hk) * v_stride);
     }
 #endif
 #if TILES
@@ -439,7 +456,7 @@ void extend_attention(const elem *q, const elem *k, const elem *v, elem *out, in
           softmax_row(s + r * 16, lim, cnp, scale, p + r * KC, m + r, l + r, o + r * d, d);
         }
 #if F32
-        weigh(p, vtk, c0, cn, d, o); /* v read in place: only the chunk's keys */
+        weigh(p, vtk, HEAD_ROWS(kvh), c0, cn, d, o); /* v read in place: only the chunk's keys */
 #else
         weigh(p, vtk, c0, cnp, d, o);
 #endif

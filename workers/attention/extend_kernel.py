@@ -43,7 +43,7 @@ HEAD_DIMS = (64, 128)  # the kernel's tiles: 64 dims take four at a time, 128 tw
 KERNELS = {"tiles": torch.bfloat16, "dot products": torch.bfloat16, "fma": torch.float32}
 _DEFINES = {"tiles": {"TILES": 1, "F32": 0}, "dot products": {"TILES": 0, "F32": 0},
             "fma": {"TILES": 0, "F32": 1}}
-_ARGTYPES = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int]
+_ARGTYPES = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int]
 
 _libs: dict[str, ctypes.CDLL] = {}
 _failed: dict[str, str] = {}
@@ -90,16 +90,34 @@ def serves(q: torch.Tensor, num_kv_heads: int) -> bool:
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-              out: torch.Tensor | None = None, kind: str | None = None) -> torch.Tensor:
+              out: torch.Tensor | None = None, kind: str | None = None,
+              rows: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of `q` [n, Hq, D], the last n of the L positions of `k`, `v`
-    [Hk, L, D] (all of q's dtype): each query sees the keys up to its own position. Into `out`
-    [n, Hq, D] (contiguous) when given; `kind` of KERNELS, else the one served for q's dtype."""
+    [Hk, L, D] (all of q's dtype): each query sees the keys up to its own position. Given
+    `rows` (int64 [Hk * L]: key head h's L row numbers from h * L), `k` and `v` are the KV
+    pool's buffers of a layer, read in place as [rows, D]: no copy of the request's keys and
+    values gathered first. Into `out` [n, Hq, D] (contiguous) when given; `kind` of KERNELS,
+    else the one served for q's dtype."""
     kind = kind or kernel(q.dtype)
     assert kind is not None and available(kind), "available() first"
     lib = _libs[kind]
     n, num_q_heads, head_dim = q.shape
-    num_kv_heads, num_keys, _ = k.shape
-    if (num_keys < n or v.shape != k.shape or k.shape[2] != head_dim
+    if rows is None:
+        num_kv_heads, num_keys, _ = k.shape
+        address = 0
+    else:
+        num_kv_heads = k.shape[-2] if k.dim() == 3 else 0
+        num_keys = rows.numel() // num_kv_heads if num_kv_heads else 0
+        pool_rows = k.numel() // head_dim
+        if (k.dim() != 3 or rows.dtype != torch.int64 or not rows.is_contiguous()
+                or rows.numel() != num_kv_heads * num_keys or not k.is_contiguous()
+                or not v.is_contiguous() or (num_keys and not 0 <= int(rows.min())
+                                             <= int(rows.max()) < pool_rows)):
+            raise ValueError(f"extend attention on the pool: rows {tuple(rows.shape)} "
+                             f"{rows.dtype} against buffers k {tuple(k.shape)}, v "
+                             f"{tuple(v.shape)}")
+        address = rows.data_ptr()
+    if (num_keys < n or v.shape != k.shape or k.shape[-1] != head_dim
             or {q.dtype, k.dtype, v.dtype} != {KERNELS[kind]}):
         raise ValueError(f"extend attention ({kind}, {KERNELS[kind]}): q {tuple(q.shape)} "
                          f"{q.dtype} against k {tuple(k.shape)} {k.dtype}, v {tuple(v.shape)} "
@@ -108,8 +126,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
     dst = out if out is not None and out.is_contiguous() else torch.empty_like(
         q, memory_format=torch.contiguous_format)
     if n:
-        lib.extend_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), dst.data_ptr(), n,
-                             num_keys, num_q_heads, num_kv_heads, head_dim, scale,
+        lib.extend_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), address, dst.data_ptr(),
+                             n, num_keys, num_q_heads, num_kv_heads, head_dim, scale,
                              torch.get_num_threads())
     if out is not None and dst is not out:
         out.copy_(dst)

@@ -179,6 +179,13 @@ class TorchAttentionBackend(AttentionBackend):
         with sdpa_kernel(SDPA_BACKENDS) if self._extends else contextlib.nullcontext():
             for e in self._extends:
                 qe = q[e.token_start: e.token_start + e.extend_len].transpose(0, 1)  # [Hq, n, D]
+                if self._in_kernel(q, attn) and k_buf.dtype == q.dtype:
+                    # the kernel reads the request's keys and values on the pages
+                    extend_kernel.attention(q[e.token_start: e.token_start + e.extend_len],
+                                            k_buf, v_buf, attn.softmax_scale(self.head_dim),
+                                            out[e.token_start: e.token_start + e.extend_len],
+                                            rows=e.rows)
+                    continue
                 shape = (self.num_kv_heads, -1, self.head_dim)
                 ke = _gather(k_buf, e.rows).view(shape).to(q.dtype)  # [Hk, L, D]
                 ve = _gather(v_buf, e.rows).view(shape).to(q.dtype)
