@@ -26,9 +26,13 @@ the same packed weight: 0.72x at one row, 0.76x at two, 0.88-0.91x at three to e
 16, 1.09x at 32; against `small_gemm` on the plain weights (the few-row kernel float32 layers
 used while they stayed plain) 0.53-0.75x. Six rows a pass (session 37) on an AMD EPYC Zen 4:
 0.76-0.86x the time of four at 6 to 32 rows, and against oneDNN 0.58-0.64x at one to four rows,
-0.62-0.69x at 8 to 12, 0.82-0.88x at 16, 0.83-0.95x at 24 to 32. So the kernel takes 1 to
-`F32_KNOWN_ROWS` rows everywhere, and up to `MAX_F32_ROWS` where `tune_f32` measured it faster
-than oneDNN on the model's own weights at start.
+0.62-0.69x at 8 to 12, 0.82-0.88x at 16, 0.83-0.95x at 24 to 32. From nine rows (session 38)
+each pass over a block also asks for its share of the next block's weight, so that the block
+streams in while the passes compute (the first pass of a block waited on memory, the others on
+the cores): 0.82-0.94x the time at 9 to 48 rows, and 0.74-0.85x oneDNN's at 16 to 64. So the
+kernel takes 1 to `F32_KNOWN_ROWS` rows everywhere, and up to `MAX_F32_ROWS` (64) where
+`tune_f32` measured it faster than oneDNN on the model's own weights at start. The bf16 dot
+products' passes ask for the next block the same way (0.90-0.94x at 9 to 64 rows).
 
 Equal results within bf16's rounding (both sum in float32 and round once); in float32 within
 the order of the sums. More rows, and prompts, keep oneDNN's product on the same packed weight
