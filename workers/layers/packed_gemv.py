@@ -29,10 +29,11 @@ used while they stayed plain) 0.53-0.75x. Six rows a pass (session 37) on an AMD
 0.62-0.69x at 8 to 12, 0.82-0.88x at 16, 0.83-0.95x at 24 to 32. From nine rows (session 38)
 each pass over a block also asks for its share of the next block's weight, so that the block
 streams in while the passes compute (the first pass of a block waited on memory, the others on
-the cores): 0.82-0.94x the time at 9 to 48 rows; against oneDNN 0.67-0.89x at 16 to 48, 0.83x at 64 (the start-up tune). So the
-kernel takes 1 to `F32_KNOWN_ROWS` rows everywhere, and up to `MAX_F32_ROWS` (64) where
-`tune_f32` measured it faster than oneDNN on the model's own weights at start. The bf16 dot
-products' passes ask for the next block the same way (0.90-0.94x at 9 to 64 rows).
+the cores): 0.82-0.94x the time at 9 to 48 rows; against oneDNN 0.67-0.89x at 16 to 48, 0.83x
+at 64 (the start-up tune). So the kernel takes 1 to `F32_KNOWN_ROWS` rows everywhere, and up
+to `MAX_F32_ROWS` (64) where `tune_f32` measured it faster than oneDNN on the model's own
+weights at start. The bf16 dot products' passes ask for the next block the same way
+(0.90-0.94x at 9 to 64 rows).
 
 Equal results within bf16's rounding (both sum in float32 and round once); in float32 within
 the order of the sums. More rows, and prompts, keep oneDNN's product on the same packed weight
