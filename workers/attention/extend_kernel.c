@@ -9,10 +9,10 @@
    q [n, hq, d] and out [n, hq, d]; k and v [hk, L, d] (L = prefix + n), or, given `kv_rows`
    [hk, L], the KV pool's buffers read in place: key j of head h is row kv_rows[h * L + j] of k
    and v seen as [rows, d] (no copy of a request's keys and values gathered first). Head h of
-   the queries reads head h / (hq / hk) of the keys. Each task is 16 query rows of one head (the last rows
-   of the prompt first: they see the most keys): their scores against 64 keys at a time (a
-   round), the rows' softmax on the 16 x (up to) 512 scores in memory, and the weights times
-   the values summed into 16 x d floats. Keys come in chunks of 512: the running maximum and
+   the queries reads head h / (hq / hk) of the keys. Each task is 16 query rows of one head
+   (the last rows of the prompt first: they see the most keys): their scores against 64 keys
+   at a time (a round), the rows' softmax on the 16 x (up to) 512 scores in memory, and the
+   weights times the values summed into 16 x d floats. Keys come in chunks of 512: the running maximum and
    sum rescale the sums between chunks (online softmax).
 
    The bf16 products read their second operand as pairs of rows side by side (the "VNNI"
@@ -494,4 +494,6 @@ void extend_attention(const elem *q, const elem *k, const elem *v, const int64_t
 #if !F32
   free(vt);
 #endif
+#undef HEAD
+#undef HEAD_ROWS
 }

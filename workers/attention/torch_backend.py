@@ -178,7 +178,6 @@ class TorchAttentionBackend(AttentionBackend):
             out[idx] = cascade_attention(q[idx], k_buf, v_buf, self._cascade, self.num_kv_heads)
         with sdpa_kernel(SDPA_BACKENDS) if self._extends else contextlib.nullcontext():
             for e in self._extends:
-                qe = q[e.token_start: e.token_start + e.extend_len].transpose(0, 1)  # [Hq, n, D]
                 if self._in_kernel(q, attn) and k_buf.dtype == q.dtype:
                     # the kernel reads the request's keys and values on the pages
                     extend_kernel.attention(q[e.token_start: e.token_start + e.extend_len],
@@ -186,6 +185,7 @@ class TorchAttentionBackend(AttentionBackend):
                                             out[e.token_start: e.token_start + e.extend_len],
                                             rows=e.rows)
                     continue
+                qe = q[e.token_start: e.token_start + e.extend_len].transpose(0, 1)  # [Hq, n, D]
                 shape = (self.num_kv_heads, -1, self.head_dim)
                 ke = _gather(k_buf, e.rows).view(shape).to(q.dtype)  # [Hk, L, D]
                 ve = _gather(v_buf, e.rows).view(shape).to(q.dtype)
