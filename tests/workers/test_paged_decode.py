@@ -228,6 +228,36 @@ def test_a_small_batch_splits_its_keys_and_agrees(dtype: torch.dtype) -> None:
     assert torch.equal(one, two)  # the pieces are the same on one thread as on two
 
 
+# a lone request's KV heads in one task (up to 32 queries' worth: 10 heads of 3 queries), key
+# after key over its heads' rows of each slot, where the batch gives the threads enough tasks:
+# 8 requests (a task each, no pieces); one request of 2,049 keys (eight pieces, merged); four of
+# 600 (two pieces each); 12 KV heads of 3 queries (a request's heads in a task of 10 and one of
+# 2); 128-dim heads; in float32 and in bf16 (at 64 dims, its dot products of pairs); beside a
+# shared group, whose heads stay a task each. The same on one thread and on two.
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("hk", "g", "d"), [(3, 3, 16), (3, 3, 64), (12, 3, 32), (2, 4, 128)])
+def test_a_lone_requests_heads_in_one_task_agree(dtype: torch.dtype, hk: int, g: int,
+                                                 d: int) -> None:
+    kernel = _kernel(hk, d, g, dtype)
+    seed = hk + g + d
+    long_one = _case(1, 2049, dtype, seed, hk, g, d, spread=8.0)
+    four = _case(4, 600, dtype, seed + 1, hk, g, d)
+    four[4][:] = 600
+    beside_a_group = _shared_case([(8, 0), (3, 64), (8, 0)], 150, dtype, seed + 2, hk, g, d)
+    for q, k_buf, v_buf, slots, lens in (_case(8, 100, dtype, seed + 3, hk, g, d), long_one,
+                                         four, beside_a_group):
+        got = kernel(q, k_buf, v_buf, slots, lens)
+        want = _per_request(q, k_buf, v_buf, slots, lens)
+        if dtype == torch.float32:
+            torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+        else:  # the float64 result rounded to bf16, met but for an ulp at its size (or 2^-7)
+            near = want.to(torch.bfloat16).float()
+            ulp = torch.exp2(torch.floor(torch.log2(near.abs().clamp_min(1.0))) - 7)
+            assert ((got.float() - near).abs() <= ulp).all()
+        one, two = _on_one_and_two_threads(kernel, (q, k_buf, v_buf, slots, lens))
+        assert torch.equal(one, two)
+
+
 def test_paged_decode_builds_no_dense_kv_copy() -> None:
     kernel = _kernel(HK, D, G, torch.float32)
     batch, max_len = 16, 256

@@ -3,18 +3,19 @@
    buffers. Built by workers/native_build.py for one model's head sizes (HEAD_DIM, GROUP: the
    query heads per KV head), loaded with ctypes (workers/attention/paged_decode.py).
 
-   Per (request, KV head), on OpenMP threads (a lone request's keys in pieces too, when the
-   batch is small: `split_lone`): the GROUP queries are scaled and kept in float32;
-   keys are taken BLOCK at a time: scores, then an online softmax (running maximum and sum, the
-   accumulator rescaled when the maximum grows), then the values weighted into the accumulator.
-   Each key and value row is read from its page once; float32 inside, bf16 or float32 in and
-   out (bf16 rounded to nearest even, as torch rounds). In bf16 on a CPU with AVX-512-BF16 (and
-   HEAD_DIM a multiple of 32) the products are dot products of bf16 pairs on the rows as they
-   lie (`pass_keys_dot`), the weights rounded to bf16 for their product with the values. A request's slots are scattered over the
-   pool once the cache has freed and reused them, so the rows of the next block of keys and of
-   this block's values are prefetched while the scores are computed (30 layers' pools, cold
-   caches, slots at random: 16 requests of 420 keys 815 against 1,062 us a layer; slots in
-   runs: no change).
+   Per request and KV heads, on OpenMP threads (a lone request's heads together where the batch
+   gives the threads enough tasks so, its keys in pieces too when the batch is small: "The
+   tasks" below): the GROUP queries of each head are scaled and kept in float32; keys are taken
+   BLOCK at a time: scores, then an online softmax (running maximum and sum, the accumulator
+   rescaled when the maximum grows), then the values weighted into the accumulator. Each key
+   and value row is read from its page once; float32 inside, bf16 or float32 in and out (bf16
+   rounded to nearest even, as torch rounds). In bf16 on a CPU with AVX-512-BF16 (and HEAD_DIM
+   a multiple of 32) the products are dot products of bf16 pairs on the rows as they lie
+   (`pass_keys_dot`), the weights rounded to bf16 for their product with the values. A
+   request's slots are scattered over the pool once the cache has freed and reused them, so the
+   rows of the next block of keys and of this block's values are prefetched while the scores
+   are computed (30 layers' pools, cold caches, slots at random: 16 requests of 420 keys 815
+   against 1,062 us a layer; slots in runs: no change).
 
    Requests whose rows start with the same slots (a prefix the radix cache gave them all) read
    it once: such a group's queries (up to MAX_Q of them, MAX_Q / GROUP requests) take the shared
@@ -52,17 +53,21 @@ INLINE void prefetch_row(const void *base, int64_t offset, int64_t bytes) {
    threads, 30 layers' pools, a row ahead per row read against a burst per block: 0.72-0.80x
    the time of the call. */
 INLINE void prefetch_first(const void *k_buf, const void *v_buf, const int64_t *slots,
-                           int64_t n_keys, int64_t h, int64_t num_kv_heads, int64_t row_bytes) {
+                           int64_t n_keys, int64_t h, int nh, int64_t num_kv_heads,
+                           int64_t row_bytes) {
   for (int64_t j = 0; j < n_keys && j < BLOCK; j++) {
-    prefetch_row(k_buf, (slots[j] * num_kv_heads + h) * row_bytes, row_bytes);
-    prefetch_row(v_buf, (slots[j] * num_kv_heads + h) * row_bytes, row_bytes);
+    prefetch_row(k_buf, (slots[j] * num_kv_heads + h) * row_bytes, nh * row_bytes);
+    prefetch_row(v_buf, (slots[j] * num_kv_heads + h) * row_bytes, nh * row_bytes);
   }
 }
 
-/* row l of `buf` (keys or values), a block before it is read; nothing past the pass's keys */
+/* the rows of KV heads [h, h + nh) at slot l of `buf` (keys or values; side by side in the
+   pool), a block before they are read; nothing past the pass's keys, nothing where nh is 0 */
 INLINE void prefetch_ahead(const void *buf, const int64_t *slots, int64_t l, int64_t n_keys,
-                           int64_t h, int64_t num_kv_heads, int64_t row_bytes) {
-  if (l < n_keys) prefetch_row(buf, (slots[l] * num_kv_heads + h) * row_bytes, row_bytes);
+                           int64_t h, int nh, int64_t num_kv_heads, int64_t row_bytes) {
+  if (l >= n_keys) return;
+  const char *at = (const char *)buf + (slots[l] * num_kv_heads + h) * row_bytes;
+  for (int i = 0; i < nh; i++) prefetch_row(at, i * row_bytes, row_bytes);
 }
 
 INLINE void load_row(float *dst, const void *base, int64_t row, const int bf16) {
@@ -142,60 +147,80 @@ INLINE __m512 lane_sums16(const __m512 *v) {
 }
 #endif
 
-/* `nq` queries (scaled, float32) with their running maxima `m`, sums `s` and accumulators
-   `acc` go on over the keys and values at `slots[0..n)` of KV head h */
-INLINE void pass_keys(const void *k_buf, const void *v_buf, const int64_t *slots, int64_t n_keys,
-                      int64_t h, int64_t num_kv_heads, int nq, float (*qf)[HEAD_DIM],
-                      float (*acc)[HEAD_DIM], float *m, float *s, float (*sc)[BLOCK],
-                      const int bf16) {
+/* the GROUP queries each (scaled, float32; head i's from row i * GROUP) of the nh KV heads from
+   h, with their running maxima `m`, sums `s` and accumulators `acc`, go on over the n keys and
+   values at `slots[l0..l0 + n)`: key after key, the heads' rows of a slot (side by side in the
+   pool) one after another, and the next block's rows asked for as these are read */
+INLINE void block_keys(const void *k_buf, const void *v_buf, const int64_t *slots, int64_t l0,
+                       int n, int64_t n_keys, int64_t h, int nh, int64_t num_kv_heads,
+                       float (*qf)[HEAD_DIM], float (*acc)[HEAD_DIM], float *m, float *s,
+                       float (*sc)[BLOCK], const int bf16) {
   float row[HEAD_DIM];
-#ifdef LANE_SUMS
-  __m512 part[GROUP][BLOCK]; /* nq <= GROUP here */
-#endif
   const int64_t row_bytes = HEAD_DIM * (bf16 ? 2 : 4);
-  prefetch_first(k_buf, v_buf, slots, n_keys, h, num_kv_heads, row_bytes);
-  for (int64_t l0 = 0; l0 < n_keys; l0 += BLOCK) {
-    const int n = (int)(n_keys - l0 < BLOCK ? n_keys - l0 : BLOCK);
+  const int nq = nh * GROUP;
 #ifdef LANE_SUMS
-    /* each key's products with each query in 16 lanes, then the lanes of 16 keys summed
-       together (lane_sums16): no sum across one vector's lanes per key and query */
-    for (int j = 0; j < n; j++) {
-      prefetch_ahead(k_buf, slots, l0 + BLOCK + j, n_keys, h, num_kv_heads, row_bytes);
-      const float *key = row_at(row, k_buf, slots[l0 + j] * num_kv_heads + h, bf16);
+  /* each key's products with each query in 16 lanes, then the lanes of 16 keys summed
+     together (lane_sums16): no sum across one vector's lanes per key and query */
+  __m512 part[MAX_Q][BLOCK];
+  for (int j = 0; j < n; j++) {
+    prefetch_ahead(k_buf, slots, l0 + BLOCK + j, n_keys, h, nh, num_kv_heads, row_bytes);
+    for (int i = 0; i < nh; i++) {
+      const float *key = row_at(row, k_buf, slots[l0 + j] * num_kv_heads + h + i, bf16);
       __m512 kv[HEAD_DIM / 16];
       for (int c = 0; c < HEAD_DIM / 16; c++) kv[c] = _mm512_loadu_ps(key + 16 * c);
-      for (int g = 0; g < nq; g++) {
+      for (int g = i * GROUP; g < (i + 1) * GROUP; g++) {
         __m512 p = _mm512_mul_ps(_mm512_loadu_ps(qf[g]), kv[0]);
         for (int c = 1; c < HEAD_DIM / 16; c++)
           p = _mm512_fmadd_ps(_mm512_loadu_ps(qf[g] + 16 * c), kv[c], p);
         part[g][j] = p;
       }
     }
-    for (int j = n; j < BLOCK; j++) /* a last block's empty keys: sums never read */
-      for (int g = 0; g < nq; g++) part[g][j] = _mm512_setzero_ps();
-    for (int g = 0; g < nq; g++)
-      for (int j0 = 0; j0 < n; j0 += 16) _mm512_storeu_ps(sc[g] + j0, lane_sums16(part[g] + j0));
+  }
+  for (int j = n; j < BLOCK; j++) /* a last block's empty keys: sums never read */
+    for (int g = 0; g < nq; g++) part[g][j] = _mm512_setzero_ps();
+  for (int g = 0; g < nq; g++)
+    for (int j0 = 0; j0 < n; j0 += 16) _mm512_storeu_ps(sc[g] + j0, lane_sums16(part[g] + j0));
 #else
-    for (int j = 0; j < n; j++) {
-      prefetch_ahead(k_buf, slots, l0 + BLOCK + j, n_keys, h, num_kv_heads, row_bytes);
-      const float *key = row_at(row, k_buf, slots[l0 + j] * num_kv_heads + h, bf16);
-      for (int g = 0; g < nq; g++) {
+  for (int j = 0; j < n; j++) {
+    prefetch_ahead(k_buf, slots, l0 + BLOCK + j, n_keys, h, nh, num_kv_heads, row_bytes);
+    for (int i = 0; i < nh; i++) {
+      const float *key = row_at(row, k_buf, slots[l0 + j] * num_kv_heads + h + i, bf16);
+      for (int g = i * GROUP; g < (i + 1) * GROUP; g++) {
         float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
         for (int d = 0; d < HEAD_DIM; d++) dot += qf[g][d] * key[d];
         sc[g][j] = dot;
       }
     }
+  }
 #endif
-    for (int g = 0; g < nq; g++) softmax_step(sc[g], n, &m[g], &s[g], acc[g]);
-    for (int j = 0; j < n; j++) {
-      prefetch_ahead(v_buf, slots, l0 + BLOCK + j, n_keys, h, num_kv_heads, row_bytes);
-      const float *value = row_at(row, v_buf, slots[l0 + j] * num_kv_heads + h, bf16);
-      for (int g = 0; g < nq; g++) {
+  for (int g = 0; g < nq; g++) softmax_step(sc[g], n, &m[g], &s[g], acc[g]);
+  for (int j = 0; j < n; j++) {
+    prefetch_ahead(v_buf, slots, l0 + BLOCK + j, n_keys, h, nh, num_kv_heads, row_bytes);
+    for (int i = 0; i < nh; i++) {
+      const float *value = row_at(row, v_buf, slots[l0 + j] * num_kv_heads + h + i, bf16);
+      for (int g = i * GROUP; g < (i + 1) * GROUP; g++) {
         const float p = sc[g][j];
         for (int d = 0; d < HEAD_DIM; d++) acc[g][d] += p * value[d];
       }
     }
+  }
+}
+
+/* the queries of the nh KV heads from h (GROUP each, head i's from row i * GROUP of qf and of
+   the states) go on over the keys and values at `slots[0..n_keys)`, a block at a time */
+INLINE void pass_keys(const void *k_buf, const void *v_buf, const int64_t *slots, int64_t n_keys,
+                      int64_t h, int nh, int64_t num_kv_heads, float (*qf)[HEAD_DIM],
+                      float (*acc)[HEAD_DIM], float *m, float *s, float (*sc)[BLOCK],
+                      const int bf16) {
+  prefetch_first(k_buf, v_buf, slots, n_keys, h, nh, num_kv_heads, HEAD_DIM * (bf16 ? 2 : 4));
+  for (int64_t l0 = 0; l0 < n_keys; l0 += BLOCK) {
+    const int n = (int)(n_keys - l0 < BLOCK ? n_keys - l0 : BLOCK);
+    if (nh == 1) /* the loops over heads and queries known when compiled */
+      block_keys(k_buf, v_buf, slots, l0, n, n_keys, h, 1, num_kv_heads, qf, acc, m, s, sc, bf16);
+    else
+      block_keys(k_buf, v_buf, slots, l0, n, n_keys, h, nh, num_kv_heads, qf, acc, m, s, sc,
+                 bf16);
   }
 }
 
@@ -225,10 +250,12 @@ INLINE void pass_keys(const void *k_buf, const void *v_buf, const int64_t *slots
    0.70x the time (0.60x in the caches), their members' own keys as before; engines alternated:
    shared prefix 1.00x, four streams 1.05x, mixed 1.01x (the decode steps' share of those
    workloads: within the noise). */
-INLINE void pass_keys_dot(const uint16_t *k_buf, const uint16_t *v_buf, const int64_t *slots,
-                          int64_t n_keys, int64_t h, int64_t num_kv_heads, int nq,
-                          const uint16_t *qb, float scale, float (*acc)[HEAD_DIM], float *m,
-                          float *s, float (*sc)[BLOCK]) {
+/* one block of `pass_keys_dot` for the nq queries of KV head h: its n keys and values at
+   slots[l0..l0 + n), the next block's rows asked for as these are read */
+INLINE void block_keys_dot(const uint16_t *k_buf, const uint16_t *v_buf, const int64_t *slots,
+                           int64_t l0, int n, int64_t n_keys, int64_t h, int64_t num_kv_heads,
+                           int nq, const uint16_t *qb, float scale,
+                           float (*acc)[HEAD_DIM], float *m, float *s, float (*sc)[BLOCK]) {
   _Static_assert(BLOCK == 32, "a block's weights are one vector of bf16");
   __m512 part[QG][16];
   uint16_t wb[MAX_Q][BLOCK] __attribute__((aligned(64))); /* the block's weights in bf16 */
@@ -238,74 +265,161 @@ INLINE void pass_keys_dot(const uint16_t *k_buf, const uint16_t *v_buf, const in
   const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
   const __m512 vscale = _mm512_set1_ps(scale);
   const int64_t row_bytes = HEAD_DIM * 2;
-  prefetch_first(k_buf, v_buf, slots, n_keys, h, num_kv_heads, row_bytes);
+  for (int g0 = 0; g0 < nq; g0 += QG) {
+    const int ng = nq - g0 < QG ? nq - g0 : QG;
+    __m512bh qv[QG][NP];
+    for (int i = 0; i < QG; i++) /* a last round's spare rows: the last query again */
+      for (int c = 0; c < NP; c++)
+        qv[i][c] = (__m512bh)_mm512_loadu_si512(qb + (g0 + (i < ng ? i : ng - 1)) * HEAD_DIM
+                                                + 32 * c);
+    for (int j0 = 0; j0 < n; j0 += 16) {
+      const int nj = n - j0 < 16 ? n - j0 : 16;
+      for (int j = 0; j < nj; j++) {
+        if (g0 == 0) /* the first round reads the block's keys from memory */
+          prefetch_ahead(k_buf, slots, l0 + BLOCK + j0 + j, n_keys, h, 1, num_kv_heads, row_bytes);
+        const uint16_t *key = k_buf + (slots[l0 + j0 + j] * num_kv_heads + h) * HEAD_DIM;
+        __m512bh kv[NP];
+        for (int c = 0; c < NP; c++) kv[c] = (__m512bh)_mm512_loadu_si512(key + 32 * c);
+        for (int i = 0; i < QG; i++) {
+          __m512 p = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[i][0], kv[0]);
+          for (int c = 1; c < NP; c++) p = _mm512_dpbf16_ps(p, qv[i][c], kv[c]);
+          part[i][j] = p;
+        }
+      }
+      for (int i = 0; i < ng; i++) {
+        for (int j = nj; j < 16; j++) part[i][j] = _mm512_setzero_ps(); /* never read */
+        _mm512_storeu_ps(sc[g0 + i] + j0, _mm512_mul_ps(lane_sums16(part[i]), vscale));
+      }
+    }
+  }
+  const uint32_t valid = n >= 32 ? ~0u : (1u << n) - 1u;
+  for (int g = 0; g < nq; g++) {
+    softmax_step(sc[g], n, &m[g], &s[g], acc[g]);
+    /* in bf16, zero past n (a last odd key's partner) */
+    const __m512 a = _mm512_maskz_loadu_ps((__mmask16)valid, sc[g]);
+    const __m512 b = _mm512_maskz_loadu_ps((__mmask16)(valid >> 16), sc[g] + 16);
+    _mm512_store_si512(wb[g], (__m512i)_mm512_cvtne2ps_pbh(b, a));
+  }
+  for (int g0 = 0; g0 < nq; g0 += QV) {
+    int g[QV];
+    for (int i = 0; i < QV; i++) g[i] = g0 + i < nq ? g0 + i : nq - 1;
+    __m512 a[QV][HEAD_DIM / 16];
+    for (int i = 0; i < QV; i++)
+      for (int c = 0; c < HEAD_DIM / 16; c++) a[i][c] = _mm512_loadu_ps(acc[g[i]] + 16 * c);
+    for (int j = 0; j < n; j += 2) {
+      if (g0 == 0) {
+        prefetch_ahead(v_buf, slots, l0 + BLOCK + j, n_keys, h, 1, num_kv_heads, row_bytes);
+        prefetch_ahead(v_buf, slots, l0 + BLOCK + j + 1, n_keys, h, 1, num_kv_heads, row_bytes);
+      }
+      const uint16_t *r0 = v_buf + (slots[l0 + j] * num_kv_heads + h) * HEAD_DIM;
+      const uint16_t *r1 = j + 1 < n ? v_buf + (slots[l0 + j + 1] * num_kv_heads + h) * HEAD_DIM
+                                     : r0; /* its weight is 0 */
+      __m512bh vv[HEAD_DIM / 16];
+      for (int c = 0; c < NP; c++) {
+        const __m512i x = _mm512_loadu_si512(r0 + 32 * c), y = _mm512_loadu_si512(r1 + 32 * c);
+        vv[2 * c] = (__m512bh)_mm512_permutex2var_epi16(x, lo, y);
+        vv[2 * c + 1] = (__m512bh)_mm512_permutex2var_epi16(x, hi, y);
+      }
+      for (int i = 0; i < QV; i++) {
+        int32_t pair;
+        memcpy(&pair, wb[g[i]] + j, 4);
+        const __m512bh w = (__m512bh)_mm512_set1_epi32(pair);
+        for (int c = 0; c < HEAD_DIM / 16; c++) a[i][c] = _mm512_dpbf16_ps(a[i][c], vv[c], w);
+      }
+    }
+    for (int i = 0; i < QV; i++) /* repeats store the same sums */
+      for (int c = 0; c < HEAD_DIM / 16; c++) _mm512_storeu_ps(acc[g[i]] + 16 * c, a[i][c]);
+  }
+}
+
+/* `block_keys_dot` for the GROUP queries each of the nh KV heads from h (head i's from row
+   i * GROUP of qb and of the states): key after key, the heads' rows of a slot (side by side in
+   the pool) one after another; each product and weight as there */
+INLINE void block_heads_dot(const uint16_t *k_buf, const uint16_t *v_buf, const int64_t *slots,
+                            int64_t l0, int n, int64_t n_keys, int64_t h, int nh,
+                            int64_t num_kv_heads, const uint16_t *qb, float scale,
+                            float (*acc)[HEAD_DIM], float *m, float *s, float (*sc)[BLOCK]) {
+  __m512 part[MAX_Q][16];
+  uint16_t wb[MAX_Q][BLOCK] __attribute__((aligned(64))); /* the block's weights in bf16 */
+  const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40,
+                                      8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+  const __m512 vscale = _mm512_set1_ps(scale);
+  const int64_t row_bytes = HEAD_DIM * 2;
+  const int nq = nh * GROUP;
+  for (int j0 = 0; j0 < n; j0 += 16) {
+    const int nj = n - j0 < 16 ? n - j0 : 16;
+    for (int j = 0; j < nj; j++) {
+      prefetch_ahead(k_buf, slots, l0 + BLOCK + j0 + j, n_keys, h, nh, num_kv_heads, row_bytes);
+      const uint16_t *key = k_buf + (slots[l0 + j0 + j] * num_kv_heads + h) * HEAD_DIM;
+      for (int i = 0; i < nh; i++) {
+        __m512bh kv[NP];
+        for (int c = 0; c < NP; c++)
+          kv[c] = (__m512bh)_mm512_loadu_si512(key + i * HEAD_DIM + 32 * c);
+        for (int g = i * GROUP; g < (i + 1) * GROUP; g++) {
+          __m512 p = _mm512_dpbf16_ps(_mm512_setzero_ps(),
+                                      (__m512bh)_mm512_loadu_si512(qb + g * HEAD_DIM), kv[0]);
+          for (int c = 1; c < NP; c++)
+            p = _mm512_dpbf16_ps(p, (__m512bh)_mm512_loadu_si512(qb + g * HEAD_DIM + 32 * c),
+                                 kv[c]);
+          part[g][j] = p;
+        }
+      }
+    }
+    for (int g = 0; g < nq; g++) {
+      for (int j = nj; j < 16; j++) part[g][j] = _mm512_setzero_ps(); /* never read */
+      _mm512_storeu_ps(sc[g] + j0, _mm512_mul_ps(lane_sums16(part[g]), vscale));
+    }
+  }
+  const uint32_t valid = n >= 32 ? ~0u : (1u << n) - 1u;
+  for (int g = 0; g < nq; g++) {
+    softmax_step(sc[g], n, &m[g], &s[g], acc[g]);
+    const __m512 a = _mm512_maskz_loadu_ps((__mmask16)valid, sc[g]);
+    const __m512 b = _mm512_maskz_loadu_ps((__mmask16)(valid >> 16), sc[g] + 16);
+    _mm512_store_si512(wb[g], (__m512i)_mm512_cvtne2ps_pbh(b, a));
+  }
+  for (int j = 0; j < n; j += 2) {
+    prefetch_ahead(v_buf, slots, l0 + BLOCK + j, n_keys, h, nh, num_kv_heads, row_bytes);
+    prefetch_ahead(v_buf, slots, l0 + BLOCK + j + 1, n_keys, h, nh, num_kv_heads, row_bytes);
+    const uint16_t *r0 = v_buf + (slots[l0 + j] * num_kv_heads + h) * HEAD_DIM;
+    const uint16_t *r1 = j + 1 < n ? v_buf + (slots[l0 + j + 1] * num_kv_heads + h) * HEAD_DIM
+                                   : r0; /* its weight is 0 */
+    for (int i = 0; i < nh; i++) {
+      __m512bh vv[HEAD_DIM / 16];
+      for (int c = 0; c < NP; c++) {
+        const __m512i x = _mm512_loadu_si512(r0 + i * HEAD_DIM + 32 * c);
+        const __m512i y = _mm512_loadu_si512(r1 + i * HEAD_DIM + 32 * c);
+        vv[2 * c] = (__m512bh)_mm512_permutex2var_epi16(x, lo, y);
+        vv[2 * c + 1] = (__m512bh)_mm512_permutex2var_epi16(x, hi, y);
+      }
+      for (int g = i * GROUP; g < (i + 1) * GROUP; g++) {
+        int32_t pair;
+        memcpy(&pair, wb[g] + j, 4);
+        const __m512bh w = (__m512bh)_mm512_set1_epi32(pair);
+        for (int c = 0; c < HEAD_DIM / 16; c++)
+          _mm512_storeu_ps(acc[g] + 16 * c,
+                           _mm512_dpbf16_ps(_mm512_loadu_ps(acc[g] + 16 * c), vv[c], w));
+      }
+    }
+  }
+}
+
+/* `nq` queries of KV head h (nh = 1), or GROUP queries each of the nh KV heads from h (head i's
+   from row i * GROUP of qb and of the states), over the keys at slots[0..n_keys), a block at a
+   time */
+INLINE void pass_keys_dot(const uint16_t *k_buf, const uint16_t *v_buf, const int64_t *slots,
+                          int64_t n_keys, int64_t h, int nh, int64_t num_kv_heads, int nq,
+                          const uint16_t *qb, float scale, float (*acc)[HEAD_DIM], float *m,
+                          float *s, float (*sc)[BLOCK]) {
+  prefetch_first(k_buf, v_buf, slots, n_keys, h, nh, num_kv_heads, HEAD_DIM * 2);
   for (int64_t l0 = 0; l0 < n_keys; l0 += BLOCK) {
     const int n = (int)(n_keys - l0 < BLOCK ? n_keys - l0 : BLOCK);
-    for (int g0 = 0; g0 < nq; g0 += QG) {
-      const int ng = nq - g0 < QG ? nq - g0 : QG;
-      __m512bh qv[QG][NP];
-      for (int i = 0; i < QG; i++) /* a last round's spare rows: the last query again */
-        for (int c = 0; c < NP; c++)
-          qv[i][c] = (__m512bh)_mm512_loadu_si512(qb + (g0 + (i < ng ? i : ng - 1)) * HEAD_DIM
-                                                  + 32 * c);
-      for (int j0 = 0; j0 < n; j0 += 16) {
-        const int nj = n - j0 < 16 ? n - j0 : 16;
-        for (int j = 0; j < nj; j++) {
-          if (g0 == 0) /* the first round reads the block's keys from memory */
-            prefetch_ahead(k_buf, slots, l0 + BLOCK + j0 + j, n_keys, h, num_kv_heads, row_bytes);
-          const uint16_t *key = k_buf + (slots[l0 + j0 + j] * num_kv_heads + h) * HEAD_DIM;
-          __m512bh kv[NP];
-          for (int c = 0; c < NP; c++) kv[c] = (__m512bh)_mm512_loadu_si512(key + 32 * c);
-          for (int i = 0; i < QG; i++) {
-            __m512 p = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[i][0], kv[0]);
-            for (int c = 1; c < NP; c++) p = _mm512_dpbf16_ps(p, qv[i][c], kv[c]);
-            part[i][j] = p;
-          }
-        }
-        for (int i = 0; i < ng; i++) {
-          for (int j = nj; j < 16; j++) part[i][j] = _mm512_setzero_ps(); /* never read */
-          _mm512_storeu_ps(sc[g0 + i] + j0, _mm512_mul_ps(lane_sums16(part[i]), vscale));
-        }
-      }
-    }
-    const uint32_t valid = n >= 32 ? ~0u : (1u << n) - 1u;
-    for (int g = 0; g < nq; g++) {
-      softmax_step(sc[g], n, &m[g], &s[g], acc[g]);
-      /* in bf16, zero past n (a last odd key's partner) */
-      const __m512 a = _mm512_maskz_loadu_ps((__mmask16)valid, sc[g]);
-      const __m512 b = _mm512_maskz_loadu_ps((__mmask16)(valid >> 16), sc[g] + 16);
-      _mm512_store_si512(wb[g], (__m512i)_mm512_cvtne2ps_pbh(b, a));
-    }
-    for (int g0 = 0; g0 < nq; g0 += QV) {
-      int g[QV];
-      for (int i = 0; i < QV; i++) g[i] = g0 + i < nq ? g0 + i : nq - 1;
-      __m512 a[QV][HEAD_DIM / 16];
-      for (int i = 0; i < QV; i++)
-        for (int c = 0; c < HEAD_DIM / 16; c++) a[i][c] = _mm512_loadu_ps(acc[g[i]] + 16 * c);
-      for (int j = 0; j < n; j += 2) {
-        if (g0 == 0) {
-          prefetch_ahead(v_buf, slots, l0 + BLOCK + j, n_keys, h, num_kv_heads, row_bytes);
-          prefetch_ahead(v_buf, slots, l0 + BLOCK + j + 1, n_keys, h, num_kv_heads, row_bytes);
-        }
-        const uint16_t *r0 = v_buf + (slots[l0 + j] * num_kv_heads + h) * HEAD_DIM;
-        const uint16_t *r1 = j + 1 < n ? v_buf + (slots[l0 + j + 1] * num_kv_heads + h) * HEAD_DIM
-                                       : r0; /* its weight is 0 */
-        __m512bh vv[HEAD_DIM / 16];
-        for (int c = 0; c < NP; c++) {
-          const __m512i x = _mm512_loadu_si512(r0 + 32 * c), y = _mm512_loadu_si512(r1 + 32 * c);
-          vv[2 * c] = (__m512bh)_mm512_permutex2var_epi16(x, lo, y);
-          vv[2 * c + 1] = (__m512bh)_mm512_permutex2var_epi16(x, hi, y);
-        }
-        for (int i = 0; i < QV; i++) {
-          int32_t pair;
-          memcpy(&pair, wb[g[i]] + j, 4);
-          const __m512bh w = (__m512bh)_mm512_set1_epi32(pair);
-          for (int c = 0; c < HEAD_DIM / 16; c++) a[i][c] = _mm512_dpbf16_ps(a[i][c], vv[c], w);
-        }
-      }
-      for (int i = 0; i < QV; i++) /* repeats store the same sums */
-        for (int c = 0; c < HEAD_DIM / 16; c++) _mm512_storeu_ps(acc[g[i]] + 16 * c, a[i][c]);
-    }
+    if (nh == 1)
+      block_keys_dot(k_buf, v_buf, slots, l0, n, n_keys, h, num_kv_heads, nq, qb, scale, acc, m,
+                     s, sc);
+    else
+      block_heads_dot(k_buf, v_buf, slots, l0, n, n_keys, h, nh, num_kv_heads, qb, scale, acc,
+                      m, s, sc);
   }
 }
 #endif
@@ -399,11 +513,11 @@ INLINE void pass_shared(const void *k_buf, const void *v_buf, const int64_t *slo
                         float (*sc)[BLOCK], const int bf16) {
   float row[HEAD_DIM], kt[HEAD_DIM][BLOCK], vb[BLOCK][HEAD_DIM];
   const int64_t row_bytes = HEAD_DIM * (bf16 ? 2 : 4);
-  prefetch_first(k_buf, v_buf, slots, n_keys, h, num_kv_heads, row_bytes);
+  prefetch_first(k_buf, v_buf, slots, n_keys, h, 1, num_kv_heads, row_bytes);
   for (int64_t l0 = 0; l0 < n_keys; l0 += BLOCK) {
     const int n = (int)(n_keys - l0 < BLOCK ? n_keys - l0 : BLOCK);
     for (int j = 0; j < n; j++) {
-      prefetch_ahead(k_buf, slots, l0 + BLOCK + j, n_keys, h, num_kv_heads, row_bytes);
+      prefetch_ahead(k_buf, slots, l0 + BLOCK + j, n_keys, h, 1, num_kv_heads, row_bytes);
       const float *key = row_at(row, k_buf, slots[l0 + j] * num_kv_heads + h, bf16);
       for (int d = 0; d < HEAD_DIM; d++) kt[d][j] = key[d];
     }
@@ -416,7 +530,7 @@ INLINE void pass_shared(const void *k_buf, const void *v_buf, const int64_t *slo
     }
     for (int g = 0; g < nq; g++) softmax_step(sc[g], n, &m[g], &s[g], acc[g]);
     for (int j = 0; j < n; j++) {
-      prefetch_ahead(v_buf, slots, l0 + BLOCK + j, n_keys, h, num_kv_heads, row_bytes);
+      prefetch_ahead(v_buf, slots, l0 + BLOCK + j, n_keys, h, 1, num_kv_heads, row_bytes);
       load_row(vb[j], v_buf, slots[l0 + j] * num_kv_heads + h, bf16);
     }
     for (int g0 = 0; g0 < nq; g0 += QW) {
@@ -442,36 +556,45 @@ INLINE void load_queries(const void *q, int64_t b, int64_t h, int64_t num_kv_hea
   }
 }
 
-/* a request that shares nothing: its GROUP queries of KV head h against its own slots */
-INLINE void attend_lone(const void *q, const void *k_buf, const void *v_buf,
-                        const int64_t *row, int64_t len, void *out, int64_t b, int64_t h,
-                        int64_t num_kv_heads, float scale, const int bf16) {
-  float qf[GROUP][HEAD_DIM], acc[GROUP][HEAD_DIM], m[GROUP], s[GROUP], sc[GROUP][BLOCK];
-  load_queries(q, b, h, num_kv_heads, scale, 0, qf, acc, m, s, bf16);
+#define STATE (HEAD_DIM + 2) /* a query's running maximum, sum and accumulator */
+
+/* request b's queries of KV heads [h, h + nh) (nh * GROUP <= MAX_Q) against keys [k0, k1) of
+   its slots `row`: their attention into `out`, or, where `state` is given (a piece of its
+   keys), each query's running maximum, sum and accumulator there, STATE floats a query */
+INLINE void attend_own(const void *q, const void *k_buf, const void *v_buf, const int64_t *row,
+                       int64_t k0, int64_t k1, int64_t b, int64_t h, int nh,
+                       int64_t num_kv_heads, float scale, void *out, float *state,
+                       const int bf16) {
+  float qf[MAX_Q][HEAD_DIM], acc[MAX_Q][HEAD_DIM], m[MAX_Q], s[MAX_Q], sc[MAX_Q][BLOCK];
+  for (int i = 0; i < nh; i++)
+    load_queries(q, b, h + i, num_kv_heads, scale, i * GROUP, qf, acc, m, s, bf16);
 #ifdef DOT_BF16
   if (bf16)
-    pass_keys_dot(k_buf, v_buf, row, len, h, num_kv_heads, GROUP,
+    pass_keys_dot(k_buf, v_buf, row + k0, k1 - k0, h, nh, num_kv_heads, GROUP,
                   (const uint16_t *)q + (b * num_kv_heads + h) * GROUP * HEAD_DIM, scale, acc, m,
                   s, sc);
   else
 #endif
-    pass_keys(k_buf, v_buf, row, len, h, num_kv_heads, GROUP, qf, acc, m, s, sc, bf16);
-  for (int g = 0; g < GROUP; g++)
-    store_row(out, (b * num_kv_heads + h) * GROUP + g, acc[g], 1.f / s[g], bf16);
+    pass_keys(k_buf, v_buf, row + k0, k1 - k0, h, nh, num_kv_heads, qf, acc, m, s, sc, bf16);
+  for (int g = 0; g < nh * GROUP; g++) { /* the heads' queries are rows in a row of `out` */
+    if (state == NULL) {
+      store_row(out, (b * num_kv_heads + h) * GROUP + g, acc[g], 1.f / s[g], bf16);
+      continue;
+    }
+    float *st = state + g * STATE;
+    st[0] = m[g];
+    st[1] = s[g];
+    memcpy(st + 2, acc[g], sizeof(float) * HEAD_DIM);
+  }
 }
 
-/* the requests `members[0..count)` of KV head h: their first `shared` slots (the same in each
-   row) in one pass for all of them, then each its own; each row `max_len` slots of `slots`,
+/* the requests `members[0..count)` (count >= 2) of KV head h: their first `shared` slots (the
+   same in each row) in one pass for all of them, then each its own; each row `max_len` slots of `slots`,
    request b's first `lens[b]` (capped at max_len) its own */
 INLINE void attend(const void *q, const void *k_buf, const void *v_buf, const int64_t *slots,
                    const int64_t *lens, const int64_t *members, int count, int64_t shared,
                    int64_t max_len, void *out, int64_t h, int64_t num_kv_heads, float scale,
                    const int bf16) {
-  if (count == 1) {
-    const int64_t b = members[0], len = lens[b] < max_len ? lens[b] : max_len;
-    attend_lone(q, k_buf, v_buf, slots + b * max_len, len, out, b, h, num_kv_heads, scale, bf16);
-    return;
-  }
   float qf[MAX_Q][HEAD_DIM], acc[MAX_Q][HEAD_DIM], m[MAX_Q], s[MAX_Q], sc[MAX_Q][BLOCK];
   for (int i = 0; i < count; i++)
     load_queries(q, members[i], h, num_kv_heads, scale, i * GROUP, qf, acc, m, s, bf16);
@@ -482,7 +605,7 @@ INLINE void attend(const void *q, const void *k_buf, const void *v_buf, const in
       memcpy(qb + i * GROUP * HEAD_DIM,
              (const uint16_t *)q + (members[i] * num_kv_heads + h) * GROUP * HEAD_DIM,
              GROUP * HEAD_DIM * 2);
-    pass_keys_dot(k_buf, v_buf, slots + members[0] * max_len, shared, h, num_kv_heads,
+    pass_keys_dot(k_buf, v_buf, slots + members[0] * max_len, shared, h, 1, num_kv_heads,
                   count * GROUP, qb, scale, acc, m, s, sc);
   } else
 #endif
@@ -493,12 +616,13 @@ INLINE void attend(const void *q, const void *k_buf, const void *v_buf, const in
     const int r = i * GROUP;
 #ifdef DOT_BF16
     if (bf16)
-      pass_keys_dot(k_buf, v_buf, slots + b * max_len + shared, len - shared, h, num_kv_heads,
-                    GROUP, (const uint16_t *)q + (b * num_kv_heads + h) * GROUP * HEAD_DIM, scale,
+      pass_keys_dot(k_buf, v_buf, slots + b * max_len + shared, len - shared, h, 1,
+                    num_kv_heads, GROUP,
+                    (const uint16_t *)q + (b * num_kv_heads + h) * GROUP * HEAD_DIM, scale,
                     acc + r, m + r, s + r, sc + r);
     else
 #endif
-      pass_keys(k_buf, v_buf, slots + b * max_len + shared, len - shared, h, num_kv_heads, GROUP,
+      pass_keys(k_buf, v_buf, slots + b * max_len + shared, len - shared, h, 1, num_kv_heads,
                 qf + r, acc + r, m + r, s + r, sc + r, bf16);
     for (int g = 0; g < GROUP; g++)
       store_row(out, (b * num_kv_heads + h) * GROUP + g, acc[r + g], 1.f / s[r + g], bf16);
@@ -552,52 +676,47 @@ static int64_t find_parts(const int64_t *slots, const int64_t *lens, int64_t bat
   return parts;
 }
 
-/* A lone request's keys split into pieces that threads take apart, when the batch alone gives
-   the threads too few tasks: one request has as many tasks as KV heads (3 for SmolLM2), so of
-   two threads one did two heads and the other one. Each piece of keys leaves its queries'
-   running maximum, sum and accumulator (a `state`: GROUP rows of HEAD_DIM + 2 floats), which
-   `merge` combines as the online softmax would have, had one pass taken them all. The pieces
-   depend on the batch and the thread count (two and fewer alike), not on which thread runs
-   what. On the Zen 4 VM (30 layers' pools, two threads, slots in runs, alternated in one
-   process with the unsplit kernel): one request of 576 to 4,096 keys 0.80-0.82x the time in
-   float32, 0.84-0.93x in bf16; two requests of 1,000 keys 0.99-1.00x; 256 keys and fewer are
-   not split (in pieces of 64, a request of 128-256 bf16 keys took 1.1-1.2x the time). */
+/* The tasks. A part of several requests (a shared prefix) is a task per KV head. A lone
+   request's KV heads are one task (up to MAX_Q / GROUP of them; more make more tasks), which
+   reads the keys key after key, each slot's rows of all those heads (side by side in the pool)
+   one after another, so that the task reads its rows as one run of memory: one head's rows a
+   task, as before, read a third of every slot's bytes (SmolLM2: 3 KV heads) and took about 1.3x
+   the time of the same bytes read in runs (16 requests of 592 keys, float32). Whole heads a
+   task against one, on the Zen 4 VM (SmolLM2's heads, two threads, 30 layers' pools, slots in
+   runs, the caches flushed before each call, alternated in one process, medians of 16 pairs):
+   float32 4 requests of 300 keys 0.84x the time, 8 of 592 0.88x, 16 of 592 0.91x, 16 of 1,400
+   0.89x, 32 of 300 0.89x, 64 of 150 0.82x, one of 600 (two pieces) 0.85x; bf16 0.94x, 0.92x,
+   0.85x, 0.76x, 0.73x, 0.72x and 0.93x; shared-prefix groups unchanged (0.99-1.00x). Where the
+   batch so gives the threads too few tasks to share out evenly (fewer than BALANCED_TASKS a
+   thread, and not a multiple of the threads), its lone requests take one head a task; and
+   where the batch gives the threads too few tasks (`SPLIT_TASKS` each), a lone request's keys
+   are split into pieces that threads take apart (`split_count`): one request had as many
+   tasks as KV heads (3 for SmolLM2), so of two threads one did two heads and the other one.
+   Each piece of keys leaves its queries' running maximum, sum and accumulator (a `state`: a
+   row of STATE floats a query), which `merge` combines as the online softmax would have, had
+   one pass taken them all. The tasks depend on the batch and the thread count (two and fewer
+   alike), not on which thread runs what, and a head's arithmetic is the same whichever task
+   takes it. Splitting, on the Zen 4 VM (30 layers' pools, two threads, slots in runs,
+   alternated in one process with the unsplit kernel): one request of 576 to 4,096 keys
+   0.80-0.82x the time in float32, 0.84-0.93x in bf16; two requests of 1,000 keys 0.99-1.00x;
+   256 keys and fewer are not split (in pieces of 64, a request of 128-256 bf16 keys took
+   1.1-1.2x the time). */
 #define SPLIT_TASKS 8      /* tasks a thread should have to choose from before keys are split */
 #define MIN_SPLIT_KEYS 256 /* no piece of a request's keys shorter */
-#define STATE (HEAD_DIM + 2)
+#define BALANCED_TASKS 4   /* tasks a thread, or a multiple of the threads, for whole heads */
 
-/* the queries of request b, KV head h, against keys [k0, k1) of its row: their state */
-INLINE void attend_part(const void *q, const void *k_buf, const void *v_buf, const int64_t *row,
-                        int64_t k0, int64_t k1, int64_t b, int64_t h, int64_t num_kv_heads,
-                        float scale, float *state, const int bf16) {
-  float qf[GROUP][HEAD_DIM], acc[GROUP][HEAD_DIM], m[GROUP], s[GROUP], sc[GROUP][BLOCK];
-  load_queries(q, b, h, num_kv_heads, scale, 0, qf, acc, m, s, bf16);
-#ifdef DOT_BF16
-  if (bf16)
-    pass_keys_dot(k_buf, v_buf, row + k0, k1 - k0, h, num_kv_heads, GROUP,
-                  (const uint16_t *)q + (b * num_kv_heads + h) * GROUP * HEAD_DIM, scale, acc, m,
-                  s, sc);
-  else
-#endif
-    pass_keys(k_buf, v_buf, row + k0, k1 - k0, h, num_kv_heads, GROUP, qf, acc, m, s, sc, bf16);
-  for (int g = 0; g < GROUP; g++) {
-    float *st = state + g * STATE;
-    st[0] = m[g];
-    st[1] = s[g];
-    memcpy(st + 2, acc[g], sizeof(float) * HEAD_DIM);
-  }
-}
-
-/* request b's KV head h from its `count` parts' states: the common maximum, each part's sum and
-   accumulator rescaled to it */
-INLINE void merge(const float *states, int count, void *out, int64_t b, int64_t h,
+/* request b's output of KV head h from its `count` pieces' states (piece i's query g at row
+   i * stride + g): the common maximum, each piece's sum and accumulator rescaled to it */
+INLINE void merge(const float *states, int count, int stride, void *out, int64_t b, int64_t h,
                   int64_t num_kv_heads, const int bf16) {
   for (int g = 0; g < GROUP; g++) {
     float top = -3.0e38f, sum = 0.f, acc[HEAD_DIM] = {0};
-    for (int i = 0; i < count; i++) top = states[(i * GROUP + g) * STATE] > top
-                                             ? states[(i * GROUP + g) * STATE] : top;
     for (int i = 0; i < count; i++) {
-      const float *st = states + (i * GROUP + g) * STATE;
+      const float mi = states[(i * stride + g) * STATE];
+      top = mi > top ? mi : top;
+    }
+    for (int i = 0; i < count; i++) {
+      const float *st = states + (i * stride + g) * STATE;
       const float w = exp_nonpos(st[0] - top);
       sum += st[1] * w;
       for (int d = 0; d < HEAD_DIM; d++) acc[d] += st[2 + d] * w;
@@ -606,42 +725,58 @@ INLINE void merge(const float *states, int count, void *out, int64_t b, int64_t 
   }
 }
 
-/* how many parts each lone request's keys are split into (1: none) */
-static int split_count(int64_t parts, int64_t num_kv_heads, int threads) {
-  const int64_t tasks = parts * num_kv_heads;
+/* how many pieces each lone request's keys may be split into (1: none), for `tasks` unsplit */
+static int split_count(int64_t tasks, int threads) {
   const int64_t want = (int64_t)SPLIT_TASKS * (threads > 2 ? threads : 2);
   return tasks >= want ? 1 : (int)((want + tasks - 1) / tasks);
 }
 
-/* the batch's parts when few: each lone request's keys in up to `splits` pieces of at least
-   MIN_SPLIT_KEYS, every (part, KV head, piece of keys) a task; then each split request's heads
-   merged. A part of several requests (a shared prefix) stays one task a head. Returns 0, having
-   done nothing, where no request's keys are long enough to split. */
-static int split_lone(const void *q, const void *k_buf, const void *v_buf, const int64_t *slots,
-                       const int64_t *lens, void *out, const int64_t *order,
-                       const int64_t *start, const int64_t *shared, int64_t parts,
-                       int64_t max_len, int64_t num_kv_heads, float scale, int threads,
-                       int splits, const int bf16) {
-  /* pieces[p]: part p's pieces of keys; first[p]: its first task; states: one per task */
+/* the batch's tasks with `hpt` KV heads a lone request's task: pieces[p], lone part p's pieces
+   of keys (1 for the others), and first[p], part p's first task; returns their number */
+static int64_t plan(const int64_t *order, const int64_t *start, const int64_t *lens,
+                    int64_t parts, int64_t max_len, int64_t num_kv_heads, int hpt, int threads,
+                    int64_t *pieces, int64_t *first) {
+  int64_t lone = 0;
+  for (int64_t p = 0; p < parts; p++) lone += start[p + 1] - start[p] == 1;
+  const int64_t chunks = (num_kv_heads + hpt - 1) / hpt; /* a lone request's tasks, unsplit */
+  const int splits = split_count(lone * chunks + (parts - lone) * num_kv_heads, threads);
+  int64_t tasks = 0;
+  for (int64_t p = 0; p < parts; p++) {
+    first[p] = tasks;
+    pieces[p] = 1;
+    if (start[p + 1] - start[p] > 1) {
+      tasks += num_kv_heads;
+      continue;
+    }
+    const int64_t b = order[start[p]];
+    const int64_t n = (lens[b] < max_len ? lens[b] : max_len) / MIN_SPLIT_KEYS;
+    pieces[p] = n < 1 ? 1 : (n > splits ? splits : n);
+    tasks += pieces[p] * chunks;
+  }
+  return tasks;
+}
+
+/* the batch's parts (`find_parts`) as tasks on `threads` OpenMP threads, then the split
+   requests' heads merged */
+static void attend_parts(const void *q, const void *k_buf, const void *v_buf,
+                         const int64_t *slots, const int64_t *lens, void *out,
+                         const int64_t *order, const int64_t *start, const int64_t *shared,
+                         int64_t parts, int64_t max_len, int64_t num_kv_heads, float scale,
+                         int threads, const int bf16) {
   int64_t *pieces = malloc(sizeof(int64_t) * 2 * (size_t)(parts + 1));
   int64_t *first = pieces + parts + 1;
-  int64_t tasks = 0;
-  int any = 0;
-  for (int64_t p = 0; p < parts; p++) {
-    const int64_t b = order[start[p]];
-    const int64_t len = lens[b] < max_len ? lens[b] : max_len;
-    int64_t n = start[p + 1] - start[p] > 1 ? 1 : len / MIN_SPLIT_KEYS;
-    n = n < 1 ? 1 : (n > splits ? splits : n);
-    pieces[p] = n;
-    any |= n > 1;
-    first[p] = tasks;
-    tasks += n * num_kv_heads;
+  int hpt = (int)(num_kv_heads < MAX_Q / GROUP ? num_kv_heads : MAX_Q / GROUP);
+  int64_t tasks = plan(order, start, lens, parts, max_len, num_kv_heads, hpt, threads, pieces,
+                       first);
+  const int spread = threads > 2 ? threads : 2; /* one thread and two alike */
+  if (hpt > 1 && tasks < (int64_t)BALANCED_TASKS * spread && tasks % spread != 0) {
+    hpt = 1; /* too few tasks to share out evenly: one head a task */
+    tasks = plan(order, start, lens, parts, max_len, num_kv_heads, hpt, threads, pieces, first);
   }
-  if (!any) {
-    free(pieces);
-    return 0;
-  }
-  float *states = malloc(sizeof(float) * (size_t)tasks * GROUP * STATE);
+  int split = 0;
+  for (int64_t p = 0; p < parts; p++) split |= pieces[p] > 1;
+  const int64_t rows = (int64_t)hpt * GROUP; /* a task's queries */
+  float *states = split ? malloc(sizeof(float) * (size_t)(tasks * rows * STATE)) : NULL;
   _Pragma("omp parallel for schedule(dynamic, 1) num_threads(threads)")
   for (int64_t task = 0; task < tasks; task++) {
     int64_t p = 0; /* the part of this task: the last whose first task is at or before it */
@@ -650,26 +785,28 @@ static int split_lone(const void *q, const void *k_buf, const void *v_buf, const
       const int64_t mid = (lo + hi) / 2;
       if (first[mid] <= task) { p = mid; lo = mid + 1; } else { hi = mid - 1; }
     }
-    const int64_t n = pieces[p], k = task - first[p], h = k / n, i = k % n;
-    const int64_t *members = order + start[p];
-    if (n == 1) {
-      attend(q, k_buf, v_buf, slots, lens, members, (int)(start[p + 1] - start[p]), shared[p],
-             max_len, out, h, num_kv_heads, scale, bf16);
+    const int64_t *members = order + start[p], k = task - first[p];
+    const int count = (int)(start[p + 1] - start[p]);
+    if (count > 1) {
+      attend(q, k_buf, v_buf, slots, lens, members, count, shared[p], max_len, out, k,
+             num_kv_heads, scale, bf16);
       continue;
     }
-    const int64_t b = members[0];
+    const int64_t n = pieces[p], h = k / n * hpt, i = k % n, b = members[0];
     const int64_t len = lens[b] < max_len ? lens[b] : max_len;
-    attend_part(q, k_buf, v_buf, slots + b * max_len, len * i / n, len * (i + 1) / n, b, h,
-                num_kv_heads, scale, states + task * GROUP * STATE, bf16);
+    const int nh = (int)(num_kv_heads - h < hpt ? num_kv_heads - h : hpt);
+    attend_own(q, k_buf, v_buf, slots + b * max_len, len * i / n, len * (i + 1) / n, b, h, nh,
+               num_kv_heads, scale, out, n > 1 ? states + task * rows * STATE : NULL, bf16);
   }
-  for (int64_t p = 0; p < parts; p++)
-    if (pieces[p] > 1)
-      for (int64_t h = 0; h < num_kv_heads; h++)
-        merge(states + (first[p] + h * pieces[p]) * GROUP * STATE, (int)pieces[p], out,
-              order[start[p]], h, num_kv_heads, bf16);
+  for (int64_t p = 0; p < parts && split; p++) {
+    if (pieces[p] == 1) continue;
+    const int64_t b = order[start[p]];
+    for (int64_t h = 0; h < num_kv_heads; h++) /* head h: in chunk h / hpt, its row h % hpt */
+      merge(states + ((first[p] + h / hpt * pieces[p]) * rows + h % hpt * GROUP) * STATE,
+            (int)pieces[p], (int)rows, out, b, h, num_kv_heads, bf16);
+  }
   free(states);
   free(pieces);
-  return 1;
 }
 
 /* q and out `[batch, num_kv_heads, GROUP, HEAD_DIM]`; slots `[batch, max_len]`, of which the
@@ -681,16 +818,8 @@ static int split_lone(const void *q, const void *k_buf, const void *v_buf, const
             int64_t num_kv_heads, float scale, int threads) {                                  \
     int64_t *order = scratch, *start = order + batch, *shared = start + batch + 1;             \
     const int64_t parts = find_parts(slots, lens, batch, max_len, order, start, shared);       \
-    const int splits = split_count(parts, num_kv_heads, threads);                              \
-    if (splits > 1 && split_lone(q, k_buf, v_buf, slots, lens, out, order, start, shared,    \
-                                 parts, max_len, num_kv_heads, scale, threads, splits, BF16))  \
-      return;                                                                                  \
-    _Pragma("omp parallel for schedule(dynamic, 1) num_threads(threads)")                     \
-    for (int64_t item = 0; item < parts * num_kv_heads; item++) {                              \
-      const int64_t p = item / num_kv_heads;                                                   \
-      attend(q, k_buf, v_buf, slots, lens, order + start[p], (int)(start[p + 1] - start[p]),   \
-             shared[p], max_len, out, item % num_kv_heads, num_kv_heads, scale, BF16);         \
-    }                                                                                          \
+    attend_parts(q, k_buf, v_buf, slots, lens, out, order, start, shared, parts, max_len,      \
+                 num_kv_heads, scale, threads, BF16);                                          \
   }
 
 ENTRY(paged_decode_bf16, 1)
