@@ -161,7 +161,7 @@ INLINE void block_keys(const void *k_buf, const void *v_buf, const int64_t *slot
 #ifdef LANE_SUMS
   /* each key's products with each query in 16 lanes, then the lanes of 16 keys summed
      together (lane_sums16): no sum across one vector's lanes per key and query */
-  __m512 part[MAX_Q][BLOCK];
+  __m512 part[nq][BLOCK]; /* as many rows as queries: a lone head's few stay near the rest */
   for (int j = 0; j < n; j++) {
     prefetch_ahead(k_buf, slots, l0 + BLOCK + j, n_keys, h, nh, num_kv_heads, row_bytes);
     for (int i = 0; i < nh; i++) {
