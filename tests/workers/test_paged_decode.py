@@ -258,6 +258,30 @@ def test_a_lone_requests_heads_in_one_task_agree(dtype: torch.dtype, hk: int, g:
         assert torch.equal(one, two)
 
 
+# a lone group gives the threads a task per KV head only: its common keys are split into pieces
+# (their states merged with its members' own keys'). Eight rows sharing 500 keys, one of them
+# nothing but those (no keys of its own), with peaked scores; three rows sharing 1,000.
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_lone_group_splits_its_common_keys_and_agrees(dtype: torch.dtype) -> None:
+    kernel = _kernel(HK, D, G, dtype)
+    eight = _shared_case([(8, 500)], 700, dtype, 31)
+    eight[0].mul_(20.0)
+    eight[1].mul_(torch.linspace(0.1, 3.0, eight[1].shape[0])[:, None, None].to(dtype))
+    eight[4][1] = 500
+    three = _shared_case([(3, 1000)], 1100, dtype, 32)
+    for q, k_buf, v_buf, slots, lens in (eight, three):
+        got = kernel(q, k_buf, v_buf, slots, lens)
+        want = _per_request(q, k_buf, v_buf, slots, lens)
+        if dtype == torch.float32:
+            torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+        else:  # the float64 result rounded to bf16, met but for an ulp at its size (or 2^-7)
+            near = want.to(torch.bfloat16).float()
+            ulp = torch.exp2(torch.floor(torch.log2(near.abs().clamp_min(1.0))) - 7)
+            assert ((got.float() - near).abs() <= ulp).all()
+        one, two = _on_one_and_two_threads(kernel, (q, k_buf, v_buf, slots, lens))
+        assert torch.equal(one, two)
+
+
 def test_paged_decode_builds_no_dense_kv_copy() -> None:
     kernel = _kernel(HK, D, G, torch.float32)
     batch, max_len = 16, 256

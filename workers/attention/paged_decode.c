@@ -558,6 +558,17 @@ INLINE void load_queries(const void *q, int64_t b, int64_t h, int64_t num_kv_hea
 
 #define STATE (HEAD_DIM + 2) /* a query's running maximum, sum and accumulator */
 
+/* the running maxima, sums and accumulators of `rows` queries into `state`, STATE floats each */
+INLINE void save_states(float *state, int rows, const float *m, const float *s,
+                        float (*acc)[HEAD_DIM]) {
+  for (int g = 0; g < rows; g++) {
+    float *st = state + g * STATE;
+    st[0] = m[g];
+    st[1] = s[g];
+    memcpy(st + 2, acc[g], sizeof(float) * HEAD_DIM);
+  }
+}
+
 /* request b's queries of KV heads [h, h + nh) (nh * GROUP <= MAX_Q) against keys [k0, k1) of
    its slots `row`: their attention into `out`, or, where `state` is given (a piece of its
    keys), each query's running maximum, sum and accumulator there, STATE floats a query */
@@ -576,42 +587,44 @@ INLINE void attend_own(const void *q, const void *k_buf, const void *v_buf, cons
   else
 #endif
     pass_keys(k_buf, v_buf, row + k0, k1 - k0, h, nh, num_kv_heads, qf, acc, m, s, sc, bf16);
-  for (int g = 0; g < nh * GROUP; g++) { /* the heads' queries are rows in a row of `out` */
-    if (state == NULL) {
-      store_row(out, (b * num_kv_heads + h) * GROUP + g, acc[g], 1.f / s[g], bf16);
-      continue;
-    }
-    float *st = state + g * STATE;
-    st[0] = m[g];
-    st[1] = s[g];
-    memcpy(st + 2, acc[g], sizeof(float) * HEAD_DIM);
+  if (state != NULL) {
+    save_states(state, nh * GROUP, m, s, acc);
+    return;
   }
+  for (int g = 0; g < nh * GROUP; g++) /* the heads' queries are rows in a row of `out` */
+    store_row(out, (b * num_kv_heads + h) * GROUP + g, acc[g], 1.f / s[g], bf16);
 }
 
-/* the requests `members[0..count)` (count >= 2) of KV head h: their first `shared` slots (the
-   same in each row) in one pass for all of them, then each its own; each row `max_len` slots of `slots`,
-   request b's first `lens[b]` (capped at max_len) its own */
-INLINE void attend(const void *q, const void *k_buf, const void *v_buf, const int64_t *slots,
-                   const int64_t *lens, const int64_t *members, int count, int64_t shared,
-                   int64_t max_len, void *out, int64_t h, int64_t num_kv_heads, float scale,
-                   const int bf16) {
+/* the requests `members[0..count)` (count >= 2) of KV head h, whose first `shared` slots are
+   the same in each row (each row `max_len` slots of `slots`, request b's first `lens[b]`,
+   capped at max_len, its own): their queries over the common slots [k0, k1) in one pass for
+   all of them, then, with `own`, each over its own slots from `shared` on; the attention into
+   `out`, or, where `state` is given (a piece of their keys), each query's running maximum, sum
+   and accumulator there, member i's from row i * GROUP */
+INLINE void attend_group(const void *q, const void *k_buf, const void *v_buf,
+                         const int64_t *slots, const int64_t *lens, const int64_t *members,
+                         int count, int64_t shared, int64_t max_len, int64_t k0, int64_t k1,
+                         int own, void *out, float *state, int64_t h, int64_t num_kv_heads,
+                         float scale, const int bf16) {
   float qf[MAX_Q][HEAD_DIM], acc[MAX_Q][HEAD_DIM], m[MAX_Q], s[MAX_Q], sc[MAX_Q][BLOCK];
   for (int i = 0; i < count; i++)
     load_queries(q, members[i], h, num_kv_heads, scale, i * GROUP, qf, acc, m, s, bf16);
+  if (k1 > k0) {
 #ifdef DOT_BF16
-  if (bf16) { /* the members' queries side by side, as given */
-    uint16_t qb[MAX_Q * HEAD_DIM];
-    for (int i = 0; i < count; i++)
-      memcpy(qb + i * GROUP * HEAD_DIM,
-             (const uint16_t *)q + (members[i] * num_kv_heads + h) * GROUP * HEAD_DIM,
-             GROUP * HEAD_DIM * 2);
-    pass_keys_dot(k_buf, v_buf, slots + members[0] * max_len, shared, h, 1, num_kv_heads,
-                  count * GROUP, qb, scale, acc, m, s, sc);
-  } else
+    if (bf16) { /* the members' queries side by side, as given */
+      uint16_t qb[MAX_Q * HEAD_DIM];
+      for (int i = 0; i < count; i++)
+        memcpy(qb + i * GROUP * HEAD_DIM,
+               (const uint16_t *)q + (members[i] * num_kv_heads + h) * GROUP * HEAD_DIM,
+               GROUP * HEAD_DIM * 2);
+      pass_keys_dot(k_buf, v_buf, slots + members[0] * max_len + k0, k1 - k0, h, 1,
+                    num_kv_heads, count * GROUP, qb, scale, acc, m, s, sc);
+    } else
 #endif
-    pass_shared(k_buf, v_buf, slots + members[0] * max_len, shared, h, num_kv_heads,
-                count * GROUP, qf, acc, m, s, sc, bf16);
-  for (int i = 0; i < count; i++) {
+      pass_shared(k_buf, v_buf, slots + members[0] * max_len + k0, k1 - k0, h, num_kv_heads,
+                  count * GROUP, qf, acc, m, s, sc, bf16);
+  }
+  for (int i = 0; i < count && own; i++) {
     const int64_t b = members[i], len = lens[b] < max_len ? lens[b] : max_len;
     const int r = i * GROUP;
 #ifdef DOT_BF16
@@ -624,9 +637,15 @@ INLINE void attend(const void *q, const void *k_buf, const void *v_buf, const in
 #endif
       pass_keys(k_buf, v_buf, slots + b * max_len + shared, len - shared, h, 1, num_kv_heads,
                 qf + r, acc + r, m + r, s + r, sc + r, bf16);
-    for (int g = 0; g < GROUP; g++)
-      store_row(out, (b * num_kv_heads + h) * GROUP + g, acc[r + g], 1.f / s[r + g], bf16);
   }
+  if (state != NULL) {
+    save_states(state, count * GROUP, m, s, acc);
+    return;
+  }
+  for (int i = 0; i < count; i++)
+    for (int g = 0; g < GROUP; g++)
+      store_row(out, (members[i] * num_kv_heads + h) * GROUP + g, acc[i * GROUP + g],
+                1.f / s[i * GROUP + g], bf16);
 }
 
 static int by_key(const void *a, const void *b) {
@@ -700,10 +719,21 @@ static int64_t find_parts(const int64_t *slots, const int64_t *lens, int64_t bat
    alternated in one process with the unsplit kernel): one request of 576 to 4,096 keys
    0.80-0.82x the time in float32, 0.84-0.93x in bf16; two requests of 1,000 keys 0.99-1.00x;
    256 keys and fewer are not split (in pieces of 64, a request of 128-256 bf16 keys took
-   1.1-1.2x the time). */
+   1.1-1.2x the time). A group (a shared prefix) is likewise a task per KV head, and a lone
+   group of a few requests (everyone's system prompt, say) gave two threads three tasks: where
+   the batch gives the threads fewer than GROUP_SPLIT_TASKS tasks each, a group's common keys are
+   split into pieces (of MIN_SHARED_PIECE keys or more), each piece a task for all the members'
+   queries of a head, and the members' own keys one more task a head, whose states are merged.
+   Against unsplit groups, same conditions as above: float32 one group of 8 requests sharing 512
+   keys (+80 each) 0.85x the time, of 8 sharing 2,000 0.86x, of 4 sharing 1,000 0.87x, of 3
+   sharing 300 0.98x; bf16 0.93x, 0.88x, 0.83x and 0.95x; splitting where the batch already
+   gave two tasks a thread or more cost 1.01-1.10x (16 requests in two groups, four groups of
+   four), and pieces down to 128 keys beside two pieces 1.05x. */
 #define SPLIT_TASKS 8      /* tasks a thread should have to choose from before keys are split */
 #define MIN_SPLIT_KEYS 256 /* no piece of a request's keys shorter */
 #define BALANCED_TASKS 4   /* tasks a thread, or a multiple of the threads, for whole heads */
+#define MIN_SHARED_PIECE 128 /* no piece of a group's common keys shorter */
+#define GROUP_SPLIT_TASKS 2 /* tasks a thread should have before a group's common keys are split */
 
 /* request b's output of KV head h from its `count` pieces' states (piece i's query g at row
    i * stride + g): the common maximum, each piece's sum and accumulator rescaled to it */
@@ -731,33 +761,42 @@ static int split_count(int64_t tasks, int threads) {
   return tasks >= want ? 1 : (int)((want + tasks - 1) / tasks);
 }
 
-/* the batch's tasks with `hpt` KV heads a lone request's task: pieces[p], lone part p's pieces
-   of keys (1 for the others), and first[p], part p's first task; returns their number */
-static int64_t plan(const int64_t *order, const int64_t *start, const int64_t *lens,
-                    int64_t parts, int64_t max_len, int64_t num_kv_heads, int hpt, int threads,
-                    int64_t *pieces, int64_t *first) {
+/* the batch's tasks with `hpt` KV heads a lone request's task: pieces[p], part p's pieces of
+   keys (a lone request's own, a group's common ones; 1: unsplit), and first[p], part p's first
+   task; returns their number. A lone request's task takes one piece of `hpt` heads; a group's,
+   unsplit, one head; split, one head's piece of the common keys, or one head's members' own
+   keys. */
+static int64_t plan(const int64_t *order, const int64_t *start, const int64_t *shared,
+                    const int64_t *lens, int64_t parts, int64_t max_len, int64_t num_kv_heads,
+                    int hpt, int threads, int64_t *pieces, int64_t *first) {
   int64_t lone = 0;
   for (int64_t p = 0; p < parts; p++) lone += start[p + 1] - start[p] == 1;
   const int64_t chunks = (num_kv_heads + hpt - 1) / hpt; /* a lone request's tasks, unsplit */
-  const int splits = split_count(lone * chunks + (parts - lone) * num_kv_heads, threads);
+  const int64_t unsplit = lone * chunks + (parts - lone) * num_kv_heads;
+  const int splits = split_count(unsplit, threads);
+  const int64_t spread = threads > 2 ? threads : 2, want = GROUP_SPLIT_TASKS * spread;
+  const int64_t group_splits = unsplit < want ? (want + unsplit - 1) / unsplit : 1;
   int64_t tasks = 0;
   for (int64_t p = 0; p < parts; p++) {
     first[p] = tasks;
-    pieces[p] = 1;
+    int64_t n;
     if (start[p + 1] - start[p] > 1) {
-      tasks += num_kv_heads;
-      continue;
+      n = shared[p] / MIN_SHARED_PIECE;
+      n = n < 1 ? 1 : (n > group_splits ? group_splits : n);
+      tasks += num_kv_heads * (n > 1 ? n + 1 : 1);
+    } else {
+      const int64_t b = order[start[p]];
+      n = (lens[b] < max_len ? lens[b] : max_len) / MIN_SPLIT_KEYS;
+      n = n < 1 ? 1 : (n > splits ? splits : n);
+      tasks += n * chunks;
     }
-    const int64_t b = order[start[p]];
-    const int64_t n = (lens[b] < max_len ? lens[b] : max_len) / MIN_SPLIT_KEYS;
-    pieces[p] = n < 1 ? 1 : (n > splits ? splits : n);
-    tasks += pieces[p] * chunks;
+    pieces[p] = n;
   }
   return tasks;
 }
 
 /* the batch's parts (`find_parts`) as tasks on `threads` OpenMP threads, then the split
-   requests' heads merged */
+   requests' heads merged; a task's states (a split part's) are MAX_Q rows apart */
 static void attend_parts(const void *q, const void *k_buf, const void *v_buf,
                          const int64_t *slots, const int64_t *lens, void *out,
                          const int64_t *order, const int64_t *start, const int64_t *shared,
@@ -766,16 +805,17 @@ static void attend_parts(const void *q, const void *k_buf, const void *v_buf,
   int64_t *pieces = malloc(sizeof(int64_t) * 2 * (size_t)(parts + 1));
   int64_t *first = pieces + parts + 1;
   int hpt = (int)(num_kv_heads < MAX_Q / GROUP ? num_kv_heads : MAX_Q / GROUP);
-  int64_t tasks = plan(order, start, lens, parts, max_len, num_kv_heads, hpt, threads, pieces,
-                       first);
+  int64_t tasks = plan(order, start, shared, lens, parts, max_len, num_kv_heads, hpt, threads,
+                       pieces, first);
   const int spread = threads > 2 ? threads : 2; /* one thread and two alike */
   if (hpt > 1 && tasks < (int64_t)BALANCED_TASKS * spread && tasks % spread != 0) {
     hpt = 1; /* too few tasks to share out evenly: one head a task */
-    tasks = plan(order, start, lens, parts, max_len, num_kv_heads, hpt, threads, pieces, first);
+    tasks = plan(order, start, shared, lens, parts, max_len, num_kv_heads, hpt, threads, pieces,
+                 first);
   }
   int split = 0;
   for (int64_t p = 0; p < parts; p++) split |= pieces[p] > 1;
-  const int64_t rows = (int64_t)hpt * GROUP; /* a task's queries */
+  const int64_t rows = MAX_Q; /* a task's states */
   float *states = split ? malloc(sizeof(float) * (size_t)(tasks * rows * STATE)) : NULL;
   _Pragma("omp parallel for schedule(dynamic, 1) num_threads(threads)")
   for (int64_t task = 0; task < tasks; task++) {
@@ -785,25 +825,36 @@ static void attend_parts(const void *q, const void *k_buf, const void *v_buf,
       const int64_t mid = (lo + hi) / 2;
       if (first[mid] <= task) { p = mid; lo = mid + 1; } else { hi = mid - 1; }
     }
-    const int64_t *members = order + start[p], k = task - first[p];
+    const int64_t *members = order + start[p], k = task - first[p], n = pieces[p];
     const int count = (int)(start[p + 1] - start[p]);
-    if (count > 1) {
-      attend(q, k_buf, v_buf, slots, lens, members, count, shared[p], max_len, out, k,
-             num_kv_heads, scale, bf16);
+    float *state = n > 1 ? states + task * rows * STATE : NULL;
+    if (count > 1) { /* a group: unsplit, a head a task; split, n + 1 tasks a head */
+      const int64_t h = n > 1 ? k / (n + 1) : k, i = n > 1 ? k % (n + 1) : 0;
+      const int64_t k0 = n > 1 ? shared[p] * i / n : 0;
+      const int64_t k1 = n > 1 ? (i < n ? shared[p] * (i + 1) / n : 0) : shared[p];
+      attend_group(q, k_buf, v_buf, slots, lens, members, count, shared[p], max_len, k0, k1,
+                   n == 1 || i == n, out, state, h, num_kv_heads, scale, bf16);
       continue;
     }
-    const int64_t n = pieces[p], h = k / n * hpt, i = k % n, b = members[0];
+    const int64_t h = k / n * hpt, i = k % n, b = members[0];
     const int64_t len = lens[b] < max_len ? lens[b] : max_len;
     const int nh = (int)(num_kv_heads - h < hpt ? num_kv_heads - h : hpt);
     attend_own(q, k_buf, v_buf, slots + b * max_len, len * i / n, len * (i + 1) / n, b, h, nh,
-               num_kv_heads, scale, out, n > 1 ? states + task * rows * STATE : NULL, bf16);
+               num_kv_heads, scale, out, state, bf16);
   }
   for (int64_t p = 0; p < parts && split; p++) {
-    if (pieces[p] == 1) continue;
-    const int64_t b = order[start[p]];
-    for (int64_t h = 0; h < num_kv_heads; h++) /* head h: in chunk h / hpt, its row h % hpt */
-      merge(states + ((first[p] + h / hpt * pieces[p]) * rows + h % hpt * GROUP) * STATE,
-            (int)pieces[p], (int)rows, out, b, h, num_kv_heads, bf16);
+    const int64_t n = pieces[p];
+    const int count = (int)(start[p + 1] - start[p]);
+    if (n == 1) continue;
+    for (int64_t h = 0; h < num_kv_heads; h++) {
+      if (count == 1) /* head h: in chunk h / hpt, its queries from row h % hpt * GROUP */
+        merge(states + ((first[p] + h / hpt * n) * rows + h % hpt * GROUP) * STATE, (int)n,
+              (int)rows, out, order[start[p]], h, num_kv_heads, bf16);
+      else /* head h's n pieces of the common keys, then its members' own keys */
+        for (int i = 0; i < count; i++)
+          merge(states + ((first[p] + h * (n + 1)) * rows + i * GROUP) * STATE, (int)n + 1,
+                (int)rows, out, order[start[p] + i], h, num_kv_heads, bf16);
+    }
   }
   free(states);
   free(pieces);
