@@ -249,9 +249,10 @@ INLINE void pass_keys(const void *k_buf, const void *v_buf, const int64_t *slots
    shared prefixes' passes here too, against `pass_shared`: 4 groups of 4 sharing 512 keys
    0.70x the time (0.60x in the caches), their members' own keys as before; engines alternated:
    shared prefix 1.00x, four streams 1.05x, mixed 1.01x (the decode steps' share of those
-   workloads: within the noise). */
-/* one block of `pass_keys_dot` for the nq queries of KV head h: its n keys and values at
-   slots[l0..l0 + n), the next block's rows asked for as these are read */
+   workloads: within the noise).
+
+   This is one block of it for the nq queries of KV head h: its n keys and values at
+   slots[l0..l0 + n), the next block's rows asked for as these are read. */
 INLINE void block_keys_dot(const uint16_t *k_buf, const uint16_t *v_buf, const int64_t *slots,
                            int64_t l0, int n, int64_t n_keys, int64_t h, int64_t num_kv_heads,
                            int nq, const uint16_t *qb, float scale,
