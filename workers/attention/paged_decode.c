@@ -703,12 +703,14 @@ static int64_t find_parts(const int64_t *slots, const int64_t *lens, int64_t bat
    task, as before, read a third of every slot's bytes (SmolLM2: 3 KV heads) and took about 1.3x
    the time of the same bytes read in runs (16 requests of 592 keys, float32). Whole heads a
    task against one, on the Zen 4 VM (SmolLM2's heads, two threads, 30 layers' pools, slots in
-   runs, the caches flushed before each call, alternated in one process, medians of 16 pairs):
-   float32 4 requests of 300 keys 0.84x the time, 8 of 592 0.88x, 16 of 592 0.91x, 16 of 1,400
-   0.89x, 32 of 300 0.89x, 64 of 150 0.82x, one of 600 (two pieces) 0.85x; bf16 0.94x, 0.92x,
-   0.85x, 0.76x, 0.73x, 0.72x and 0.93x; shared-prefix groups unchanged (0.99-1.00x). Where the
-   batch so gives the threads too few tasks to share out evenly (fewer than BALANCED_TASKS a
-   thread, and not a multiple of the threads), its lone requests take one head a task; and
+   runs, 4 KB pages, the caches flushed before each call, alternated in one process, medians of
+   16 pairs): float32 4 requests of 300 keys 0.84x the time, 8 of 592 0.88x, 16 of 592 0.91x,
+   16 of 1,400 0.89x, 32 of 300 0.89x, 64 of 150 0.82x, one of 600 (two pieces) 0.85x; bf16
+   0.94x, 0.92x, 0.85x, 0.76x, 0.73x, 0.72x and 0.93x; shared-prefix groups unchanged
+   (0.99-1.00x). On 2 MiB pages, as the server allocates the pool, 16 requests and more:
+   float32 0.70-0.94x, bf16 0.87-0.94x (README, session 39). Where the batch so gives the
+   threads too few tasks to share out evenly (fewer than BALANCED_TASKS a thread, and not a
+   multiple of the threads), its lone requests take one head a task; and
    where the batch gives the threads too few tasks (`SPLIT_TASKS` each), a lone request's keys
    are split into pieces that threads take apart (`split_count`): one request had as many
    tasks as KV heads (3 for SmolLM2), so of two threads one did two heads and the other one.
