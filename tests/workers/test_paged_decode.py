@@ -199,6 +199,23 @@ def _on_one_and_two_threads(kernel: Callable[..., torch.Tensor],
     return one, two
 
 
+def _agrees_on_one_and_two_threads(kernel: Callable[..., torch.Tensor],
+                                   case: Sequence[torch.Tensor]) -> None:
+    """The kernel's result meets the float64 reference (float32: within 1e-5; bf16: the
+    reference rounded to bf16 but for an ulp at its size, or 2^-7 below 1), the same bits on
+    one thread as on two."""
+    got = kernel(*case)
+    want = _per_request(*case)
+    if got.dtype == torch.float32:
+        torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+    else:
+        near = want.to(torch.bfloat16).float()
+        ulp = torch.exp2(torch.floor(torch.log2(near.abs().clamp_min(1.0))) - 7)
+        assert ((got.float() - near).abs() <= ulp).all()
+    one, two = _on_one_and_two_threads(kernel, case)
+    assert torch.equal(one, two)
+
+
 def test_the_threads_split_the_work_not_the_result() -> None:
     kernel = _kernel(HK, D, G, torch.float32)
     one, two = _on_one_and_two_threads(kernel, _case(9, 90, torch.float32, 11))
@@ -244,18 +261,8 @@ def test_a_lone_requests_heads_in_one_task_agree(dtype: torch.dtype, hk: int, g:
     four = _case(4, 600, dtype, seed + 1, hk, g, d)
     four[4][:] = 600
     beside_a_group = _shared_case([(8, 0), (3, 64), (8, 0)], 150, dtype, seed + 2, hk, g, d)
-    for q, k_buf, v_buf, slots, lens in (_case(8, 100, dtype, seed + 3, hk, g, d), long_one,
-                                         four, beside_a_group):
-        got = kernel(q, k_buf, v_buf, slots, lens)
-        want = _per_request(q, k_buf, v_buf, slots, lens)
-        if dtype == torch.float32:
-            torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
-        else:  # the float64 result rounded to bf16, met but for an ulp at its size (or 2^-7)
-            near = want.to(torch.bfloat16).float()
-            ulp = torch.exp2(torch.floor(torch.log2(near.abs().clamp_min(1.0))) - 7)
-            assert ((got.float() - near).abs() <= ulp).all()
-        one, two = _on_one_and_two_threads(kernel, (q, k_buf, v_buf, slots, lens))
-        assert torch.equal(one, two)
+    for case in (_case(8, 100, dtype, seed + 3, hk, g, d), long_one, four, beside_a_group):
+        _agrees_on_one_and_two_threads(kernel, case)
 
 
 # a lone group gives the threads a task per KV head only: its common keys are split into pieces
@@ -269,17 +276,8 @@ def test_a_lone_group_splits_its_common_keys_and_agrees(dtype: torch.dtype) -> N
     eight[1].mul_(torch.linspace(0.1, 3.0, eight[1].shape[0])[:, None, None].to(dtype))
     eight[4][1] = 500
     three = _shared_case([(3, 1000)], 1100, dtype, 32)
-    for q, k_buf, v_buf, slots, lens in (eight, three):
-        got = kernel(q, k_buf, v_buf, slots, lens)
-        want = _per_request(q, k_buf, v_buf, slots, lens)
-        if dtype == torch.float32:
-            torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
-        else:  # the float64 result rounded to bf16, met but for an ulp at its size (or 2^-7)
-            near = want.to(torch.bfloat16).float()
-            ulp = torch.exp2(torch.floor(torch.log2(near.abs().clamp_min(1.0))) - 7)
-            assert ((got.float() - near).abs() <= ulp).all()
-        one, two = _on_one_and_two_threads(kernel, (q, k_buf, v_buf, slots, lens))
-        assert torch.equal(one, two)
+    for case in (eight, three):
+        _agrees_on_one_and_two_threads(kernel, case)
 
 
 def test_paged_decode_builds_no_dense_kv_copy() -> None:

@@ -232,6 +232,32 @@ INLINE void pass_keys(const void *k_buf, const void *v_buf, const int64_t *slots
 /* queries whose values' sums stay in registers at once: HEAD_DIM / 16 vectors each, 16 in all */
 #define QV (GROUP * (HEAD_DIM / 16) <= 16 ? GROUP : (HEAD_DIM <= 256 ? 256 / HEAD_DIM : 1))
 
+/* the values of two keys' rows (bf16, HEAD_DIM each) as pairs for vdpbf16ps: vv[2c] the pairs
+   of elements 32c..32c + 16, vv[2c + 1] of the next 16 */
+INLINE void pair_rows(const uint16_t *r0, const uint16_t *r1, __m512bh *vv) {
+  const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40,
+                                      8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+  for (int c = 0; c < NP; c++) {
+    const __m512i x = _mm512_loadu_si512(r0 + 32 * c), y = _mm512_loadu_si512(r1 + 32 * c);
+    vv[2 * c] = (__m512bh)_mm512_permutex2var_epi16(x, lo, y);
+    vv[2 * c + 1] = (__m512bh)_mm512_permutex2var_epi16(x, hi, y);
+  }
+}
+
+/* the nq queries' running states take a block's n scores, whose weights go into wb in bf16
+   (zero past n: a last odd key's partner) */
+INLINE void weights_bf16(float (*sc)[BLOCK], int nq, int n, float *m, float *s,
+                         float (*acc)[HEAD_DIM], uint16_t (*wb)[BLOCK]) {
+  const uint32_t valid = n >= 32 ? ~0u : (1u << n) - 1u;
+  for (int g = 0; g < nq; g++) {
+    softmax_step(sc[g], n, &m[g], &s[g], acc[g]);
+    const __m512 a = _mm512_maskz_loadu_ps((__mmask16)valid, sc[g]);
+    const __m512 b = _mm512_maskz_loadu_ps((__mmask16)(valid >> 16), sc[g] + 16);
+    _mm512_store_si512(wb[g], (__m512i)_mm512_cvtne2ps_pbh(b, a));
+  }
+}
+
 /* `pass_keys` in bf16 on AVX-512-BF16's dot products of pairs (vdpbf16ps), the rows read as
    they lie in the pool: `nq` queries (`qb`, nq rows of bf16 as given, unscaled: each product
    exact in float32; the scale on the summed scores) against each key row, 32 dims a vector,
@@ -260,10 +286,6 @@ INLINE void block_keys_dot(const uint16_t *k_buf, const uint16_t *v_buf, const i
   _Static_assert(BLOCK == 32, "a block's weights are one vector of bf16");
   __m512 part[QG][16];
   uint16_t wb[MAX_Q][BLOCK] __attribute__((aligned(64))); /* the block's weights in bf16 */
-  /* a pair of rows' elements interleaved: the first 16 of each, then the last 16 */
-  const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40,
-                                      8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
-  const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
   const __m512 vscale = _mm512_set1_ps(scale);
   const int64_t row_bytes = HEAD_DIM * 2;
   for (int g0 = 0; g0 < nq; g0 += QG) {
@@ -293,14 +315,7 @@ INLINE void block_keys_dot(const uint16_t *k_buf, const uint16_t *v_buf, const i
       }
     }
   }
-  const uint32_t valid = n >= 32 ? ~0u : (1u << n) - 1u;
-  for (int g = 0; g < nq; g++) {
-    softmax_step(sc[g], n, &m[g], &s[g], acc[g]);
-    /* in bf16, zero past n (a last odd key's partner) */
-    const __m512 a = _mm512_maskz_loadu_ps((__mmask16)valid, sc[g]);
-    const __m512 b = _mm512_maskz_loadu_ps((__mmask16)(valid >> 16), sc[g] + 16);
-    _mm512_store_si512(wb[g], (__m512i)_mm512_cvtne2ps_pbh(b, a));
-  }
+  weights_bf16(sc, nq, n, m, s, acc, wb);
   for (int g0 = 0; g0 < nq; g0 += QV) {
     int g[QV];
     for (int i = 0; i < QV; i++) g[i] = g0 + i < nq ? g0 + i : nq - 1;
@@ -316,11 +331,7 @@ INLINE void block_keys_dot(const uint16_t *k_buf, const uint16_t *v_buf, const i
       const uint16_t *r1 = j + 1 < n ? v_buf + (slots[l0 + j + 1] * num_kv_heads + h) * HEAD_DIM
                                      : r0; /* its weight is 0 */
       __m512bh vv[HEAD_DIM / 16];
-      for (int c = 0; c < NP; c++) {
-        const __m512i x = _mm512_loadu_si512(r0 + 32 * c), y = _mm512_loadu_si512(r1 + 32 * c);
-        vv[2 * c] = (__m512bh)_mm512_permutex2var_epi16(x, lo, y);
-        vv[2 * c + 1] = (__m512bh)_mm512_permutex2var_epi16(x, hi, y);
-      }
+      pair_rows(r0, r1, vv);
       for (int i = 0; i < QV; i++) {
         int32_t pair;
         memcpy(&pair, wb[g[i]] + j, 4);
@@ -342,9 +353,6 @@ INLINE void block_heads_dot(const uint16_t *k_buf, const uint16_t *v_buf, const 
                             float (*acc)[HEAD_DIM], float *m, float *s, float (*sc)[BLOCK]) {
   __m512 part[MAX_Q][16];
   uint16_t wb[MAX_Q][BLOCK] __attribute__((aligned(64))); /* the block's weights in bf16 */
-  const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40,
-                                      8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
-  const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
   const __m512 vscale = _mm512_set1_ps(scale);
   const int64_t row_bytes = HEAD_DIM * 2;
   const int nq = nh * GROUP;
@@ -372,13 +380,7 @@ INLINE void block_heads_dot(const uint16_t *k_buf, const uint16_t *v_buf, const 
       _mm512_storeu_ps(sc[g] + j0, _mm512_mul_ps(lane_sums16(part[g]), vscale));
     }
   }
-  const uint32_t valid = n >= 32 ? ~0u : (1u << n) - 1u;
-  for (int g = 0; g < nq; g++) {
-    softmax_step(sc[g], n, &m[g], &s[g], acc[g]);
-    const __m512 a = _mm512_maskz_loadu_ps((__mmask16)valid, sc[g]);
-    const __m512 b = _mm512_maskz_loadu_ps((__mmask16)(valid >> 16), sc[g] + 16);
-    _mm512_store_si512(wb[g], (__m512i)_mm512_cvtne2ps_pbh(b, a));
-  }
+  weights_bf16(sc, nq, n, m, s, acc, wb);
   for (int j = 0; j < n; j += 2) {
     prefetch_ahead(v_buf, slots, l0 + BLOCK + j, n_keys, h, nh, num_kv_heads, row_bytes);
     prefetch_ahead(v_buf, slots, l0 + BLOCK + j + 1, n_keys, h, nh, num_kv_heads, row_bytes);
@@ -387,12 +389,7 @@ INLINE void block_heads_dot(const uint16_t *k_buf, const uint16_t *v_buf, const 
                                    : r0; /* its weight is 0 */
     for (int i = 0; i < nh; i++) {
       __m512bh vv[HEAD_DIM / 16];
-      for (int c = 0; c < NP; c++) {
-        const __m512i x = _mm512_loadu_si512(r0 + i * HEAD_DIM + 32 * c);
-        const __m512i y = _mm512_loadu_si512(r1 + i * HEAD_DIM + 32 * c);
-        vv[2 * c] = (__m512bh)_mm512_permutex2var_epi16(x, lo, y);
-        vv[2 * c + 1] = (__m512bh)_mm512_permutex2var_epi16(x, hi, y);
-      }
+      pair_rows(r0 + i * HEAD_DIM, r1 + i * HEAD_DIM, vv);
       for (int g = i * GROUP; g < (i + 1) * GROUP; g++) {
         int32_t pair;
         memcpy(&pair, wb[g] + j, 4);
