@@ -77,7 +77,7 @@ def replica_cpu_threads(config: AppConfig, device: str,
                         bundles: list[dict[str, float]] | None) -> int | None:
     """The threads (and Ray CPUs) of an engine replica whose rank runs inside it, on a CPU
     with tp 1; None for replicas whose ranks run elsewhere. By default the replicas share the
-    cores of this machine (see `cpu_threads.py`)."""
+    cores of this machine (`default_cpu_threads`, above)."""
     if device != "cpu" or bundles is not None:
         if config.cpu_threads is not None:
             raise ValueError(f"cpu_threads: applies to a replica on the CPU with tp 1, whose rank "
