@@ -19,7 +19,7 @@ from raydix.router.serve_router import CacheAwareRequestRouter, RoundRobinReques
 
 from .capacity import Shortfall, check_replicas_fit, replica_resources
 from .config import AppConfig
-from .cpu_threads import replica_cpu_threads
+from .cpu_threads import default_cpu_threads
 from .engine_ingress import LocalEngine
 from .engine_settings import attention_backend, engine_config, resolve_device, routing_policy
 from .ingress import OpenAIIngress
@@ -204,6 +204,22 @@ def check_attention_backend(config: AppConfig, device: str) -> None:
 
     if torch.cuda.is_available():
         require_flashinfer()
+
+
+def replica_cpu_threads(config: AppConfig, device: str,
+                        bundles: list[dict[str, float]] | None) -> int | None:
+    """The threads (and Ray CPUs) of an engine replica whose rank runs inside it, on a CPU
+    with tp 1; None for replicas whose ranks run elsewhere. By default the replicas share the
+    cores of this machine (see `cpu_threads.py`)."""
+    if device != "cpu" or bundles is not None:
+        if config.cpu_threads is not None:
+            raise ValueError(f"cpu_threads: applies to a replica on the CPU with tp 1, whose rank "
+                             f"runs inside it; this one runs on {device} with tp={config.tp}")
+        return None
+    if config.cpu_threads is not None:
+        return config.cpu_threads
+    replicas = config.autoscaling.max_replicas if config.autoscaling else config.replicas
+    return max(default_cpu_threads(os.cpu_count() or 1) // replicas, 1)
 
 
 def _deployment(cls: type, **options: Any) -> Deployment:

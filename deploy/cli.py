@@ -33,7 +33,6 @@ logger = logging.getLogger("raydix")
 
 APP_NAME = "raydix"
 _NOT_FLAGS = {"autoscaling"}  # nested settings: YAML only
-APP_MODULE = "raydix.deploy.app"  # imported beside Ray's start (serve_forever)
 STOP_MARGIN_S = 5.0  # beyond shutdown_timeout: Serve ending the replicas it had to stop
 PROCESS_GRACE_S = 10.0  # after ray.shutdown(): what it signalled ends on its own, or is killed
 STOP_CHECK_S = 1.0  # how often the main thread wakes to run a stop signal's handler
@@ -100,7 +99,7 @@ def local_cpus_needed(config: AppConfig) -> int:
     replicas = config.autoscaling.max_replicas if config.autoscaling else config.replicas
     if config.tp > 1:
         return replicas * (1 + config.tp)
-    from .cpu_threads import replica_cpu_threads
+    from .app import replica_cpu_threads
 
     return replicas * (replica_cpu_threads(config, "cpu", None) or 1)
 
@@ -109,17 +108,16 @@ def serve_forever(config: AppConfig) -> None:
     """Start (or join) Ray, deploy the app, log when it is ready, serve until SIGTERM or
     SIGINT; then stop (`_stop`)."""
     import ray
-    from ray import serve  # before export_for_local_ray: this process keeps Serve's defaults
+    from ray import serve
 
+    from .app import build_app
     from .direct_ingress import direct_ingress_env, fallback_proxy_port, use_direct_ingress
     from .serve_env import export_for_local_ray, poll_serve_often
 
     _catch_stop_signals()
     poll_serve_often()
     logger.info("preparing the model %s", config.model)
-    # the default model is converted once (a progress bar); the app's imports (torch among
-    # them, 1.2-1.4 s on 2 cores) follow on that thread while Ray starts, not before it
-    prepared = prepare_in_background(config, then_import=(APP_MODULE,))
+    prepared = prepare_in_background(config)  # the default model is converted once (a progress bar)
     if config.address is None:
         check_port_free(config.host, config.port)
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a local, single-user instance
@@ -143,8 +141,6 @@ def serve_forever(config: AppConfig) -> None:
                         "fallback proxy listens on port %d", proxy_port)
         serve.start(http_options={"host": config.host, "port": proxy_port})
         prepared.result()
-        from .app import build_app
-
         app = build_app(config)
         logger.info("deploying %s engine replica(s) with tp=%d; the replicas load the model",
                     config.replicas if config.autoscaling is None else "autoscaled", config.tp)

@@ -21,8 +21,6 @@ import os
 from raydix.router.priority import take_normal_priority
 from raydix.workers.config import ModelConfig
 
-from .config import AppConfig
-
 logger = logging.getLogger(__name__)
 
 # a layer of fewer weights than this runs its products on one thread: serve_bench's tiny model
@@ -71,19 +69,3 @@ def use_cpu_threads(num_threads: int, model_path: str | None = None) -> int:
     os.environ["MKL_NUM_THREADS"] = str(num_threads)
     torch.set_num_threads(num_threads)
     return take_normal_priority("the engine replica")
-
-
-def replica_cpu_threads(config: AppConfig, device: str,
-                        bundles: list[dict[str, float]] | None) -> int | None:
-    """The threads (and Ray CPUs) of an engine replica whose rank runs inside it, on a CPU
-    with tp 1; None for replicas whose ranks run elsewhere. By default the replicas share the
-    cores of this machine (`default_cpu_threads`, above)."""
-    if device != "cpu" or bundles is not None:
-        if config.cpu_threads is not None:
-            raise ValueError(f"cpu_threads: applies to a replica on the CPU with tp 1, whose rank "
-                             f"runs inside it; this one runs on {device} with tp={config.tp}")
-        return None
-    if config.cpu_threads is not None:
-        return config.cpu_threads
-    replicas = config.autoscaling.max_replicas if config.autoscaling else config.replicas
-    return max(default_cpu_threads(os.cpu_count() or 1) // replicas, 1)

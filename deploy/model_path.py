@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import threading
 from concurrent.futures import Future
 from functools import lru_cache
@@ -40,12 +39,11 @@ def driver_tokenizer(model_path: str) -> Any:
         raise ValueError(f"model folder {model_path!r}: no tokenizer could be loaded: {e}") from e
 
 
-def prepare_in_background(config: AppConfig, then_import: tuple[str, ...] = ()) -> Future[str]:
+def prepare_in_background(config: AppConfig) -> Future[str]:
     """`resolve_model_path(config)` on a thread, while Ray and Serve start, and the import of
     transformers' config classes and the tokenizer that building the app then needs: on 2 cores
-    they cost 4-6 s (torch, transformers) that would otherwise come before Ray starts. Then the
-    modules `then_import`, on the same thread (two threads importing transformers at once
-    fail). A folder without config.json is refused here at once, before anything starts."""
+    they cost 4-6 s (torch, transformers) that would otherwise come before Ray starts. A
+    folder without config.json is refused here at once, before anything starts."""
     if config.model != DEFAULT_MODEL:
         resolve_model_path(config)
     future: Future[str] = Future()
@@ -57,8 +55,6 @@ def prepare_in_background(config: AppConfig, then_import: tuple[str, ...] = ()) 
 
             AutoConfig.from_pretrained(path)
             driver_tokenizer(path)
-            for module in then_import:
-                importlib.import_module(module)
         except BaseException as e:  # handed to the caller
             future.set_exception(e)
         else:

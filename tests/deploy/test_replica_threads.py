@@ -16,13 +16,13 @@ from pathlib import Path
 import openai
 import pytest
 
+from raydix.deploy.app import replica_cpu_threads
 from raydix.deploy.config import AppConfig
 from raydix.deploy.cpu_threads import (
     SMALL_LAYER_WEIGHTS,
     THREADS_ON_SMALL_MACHINES,
     default_cpu_threads,
     layer_weights,
-    replica_cpu_threads,
     threads_for_model,
 )
 from raydix.deploy.replica_facts import ReplicaFacts
