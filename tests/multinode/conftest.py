@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -105,11 +106,49 @@ class SimCluster:
                                   max_retries=0, timeout=120)
 
     def add_gpu_node(self) -> Node:
-        return self.cluster.add_node(num_cpus=1, num_gpus=GPUS_PER_NODE)
+        return add_gpu_node(self.cluster)
 
     def gpu_nodes(self) -> dict[str, Node]:
         """Live worker nodes by node id."""
         return {n.node_id: n for n in self.cluster.worker_nodes}
+
+
+NODE_START_ATTEMPTS = 3
+
+
+def add_gpu_node(cluster: Cluster) -> Node:
+    """Start one worker node with `GPUS_PER_NODE` fake GPUs.
+
+    Ray gives a new node a fixed 30 s to register with the GCS, and a CI run on two loaded cores
+    has missed it once. A start that times out is stopped (the half-started node's processes are
+    killed, so no late node joins the cluster) and tried again, the raylet's log tail printed for
+    the record; any other failure, or the last attempt's, fails the fixture."""
+    for attempt in range(1, NODE_START_ATTEMPTS + 1):
+        try:
+            return cluster.add_node(num_cpus=1, num_gpus=GPUS_PER_NODE)
+        except Exception as exc:
+            if "timed out during startup" not in str(exc) or attempt == NODE_START_ATTEMPTS:
+                raise
+            _stop_half_started_node(exc)
+    raise AssertionError("unreachable")
+
+
+def _stop_half_started_node(exc: BaseException) -> None:
+    """Kill the processes of the node whose `Node.__init__` raised `exc`, printing its raylet's
+    log tail to stderr (pytest shows it with the test's output)."""
+    tb = exc.__traceback__
+    while tb is not None:
+        node = tb.tb_frame.f_locals.get("self")
+        if isinstance(node, Node):
+            logs = Path(node.get_logs_dir_path())
+            for log in sorted(logs.glob("raylet*"), key=lambda f: f.stat().st_mtime)[-2:]:
+                tail = log.read_text(errors="replace").splitlines()[-20:]
+                print(f"--- {log} (a node start that timed out)", *tail, sep="\n",
+                      file=sys.stderr)
+            node.kill_all_processes(check_alive=False, allow_graceful=False)
+            return
+        tb = tb.tb_next
+    raise AssertionError("the node that failed to start was not found") from exc
 
 
 @pytest.fixture(scope="package")
@@ -120,7 +159,7 @@ def sim_cluster() -> Iterator[SimCluster]:
                            "health_check_failure_threshold": 3}})
     try:
         for _ in range(NUM_GPU_NODES):
-            cluster.add_node(num_cpus=1, num_gpus=GPUS_PER_NODE)
+            add_gpu_node(cluster)
         cluster.wait_for_nodes(timeout=60)
         ray.init(address=cluster.address, log_to_driver=False)
         port = free_port()
