@@ -16,6 +16,7 @@ import os
 import socket
 import sys
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
@@ -116,19 +117,21 @@ class SimCluster:
 NODE_START_ATTEMPTS = 3
 
 
-def add_gpu_node(cluster: Cluster) -> Node:
-    """Start one worker node with `GPUS_PER_NODE` fake GPUs.
+def start_node(start: Callable[[], T]) -> T:
+    """Run `start` (which starts one Ray node), again if the node misses Ray's registration wait.
 
     Ray gives a new node a fixed 30 s to register with the GCS, and a CI run on two loaded cores
-    has missed it once. A start that times out is stopped (the half-started node's processes are
-    killed, so no late node joins the cluster) and tried again, the raylet's log tail printed for
-    the record; any other failure, or the last attempt's, fails the fixture."""
+    has missed it once (as `tests/ray_start.py` says of `ray.init`). A start that times out is
+    stopped (the half-started node's processes are killed, so no late node joins the cluster)
+    and tried again, with a warning and the raylet's log tail on stderr; any other failure, or
+    the last attempt's, is raised."""
     for attempt in range(1, NODE_START_ATTEMPTS + 1):
         try:
-            return cluster.add_node(num_cpus=1, num_gpus=GPUS_PER_NODE)
+            return start()
         except Exception as exc:
             if "timed out during startup" not in str(exc) or attempt == NODE_START_ATTEMPTS:
                 raise
+            warnings.warn(f"a Ray node start timed out, starting it again: {exc}", stacklevel=2)
             _stop_half_started_node(exc)
     raise AssertionError("unreachable")
 
@@ -151,12 +154,17 @@ def _stop_half_started_node(exc: BaseException) -> None:
     raise AssertionError("the node that failed to start was not found") from exc
 
 
+def add_gpu_node(cluster: Cluster) -> Node:
+    """Start one worker node with `GPUS_PER_NODE` fake GPUs and one CPU."""
+    return start_node(lambda: cluster.add_node(num_cpus=1, num_gpus=GPUS_PER_NODE))
+
+
 @pytest.fixture(scope="package")
 def sim_cluster() -> Iterator[SimCluster]:
-    cluster = Cluster(initialize_head=True, head_node_args={
+    cluster = start_node(lambda: Cluster(initialize_head=True, head_node_args={
         "num_cpus": 1, "num_gpus": 0, "include_dashboard": False,
         "_system_config": {"health_check_period_ms": 500,
-                           "health_check_failure_threshold": 3}})
+                           "health_check_failure_threshold": 3}}))
     try:
         for _ in range(NUM_GPU_NODES):
             add_gpu_node(cluster)
