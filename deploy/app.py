@@ -20,12 +20,13 @@ from raydix.router.serve_router import CacheAwareRequestRouter, RoundRobinReques
 from .capacity import Shortfall, check_replicas_fit, replica_resources
 from .config import AppConfig
 from .cpu_threads import default_cpu_threads
+from .engine_factory import EngineFactory, ReplicaSettings, build_engine, replica_bundles
 from .engine_ingress import LocalEngine
 from .engine_settings import attention_backend, engine_config, resolve_device, routing_policy
 from .ingress import OpenAIIngress
 from .model_path import driver_tokenizer, resolve_model_path
 from .serve_env import replica_runtime_env
-from .server import EngineFactory, EngineServer, ReplicaSettings, build_engine, replica_bundles
+from .server import EngineServer
 from .stats_board import StatsBoard
 
 API_KEY_ENV = "RAYDIX_API_KEY"

@@ -35,7 +35,7 @@ from multiprocessing.connection import Connection
 from typing import NamedTuple
 
 from raydix.cache import EventBuffer, EventSink
-from raydix.workers.gc_heap import freeze_start_up_heap
+from raydix.workers.gc_heap import collection_paused, freeze_start_up_heap
 
 from .engine import CacheStats, Engine, RankFacts
 from .executor import RankLocation
@@ -191,11 +191,12 @@ def serve(commands: Connection, out: Connection) -> None:
     raydix_logger.setLevel(logging.INFO)
     raydix_logger.propagate = False
     try:
-        spec: CoreSpec = pickle.loads(commands.recv_bytes())
-        if spec.setup is not None:
-            spec.setup()
-        events = EventBuffer() if spec.events else None
-        engine = spec.factory(events)
+        with collection_paused():  # the freeze collects once, after the build
+            spec: CoreSpec = pickle.loads(commands.recv_bytes())
+            if spec.setup is not None:
+                spec.setup()
+            events = EventBuffer() if spec.events else None
+            engine = spec.factory(events)
         freeze_start_up_heap("the engine process")
     except BaseException as e:
         out.send(("failed", _picklable(e)))

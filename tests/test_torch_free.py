@@ -22,6 +22,7 @@ CONTROL_PLANE = (
     "raydix.deploy.config",
     "raydix.deploy.ingress",
     "raydix.deploy.server",
+    "raydix.deploy.engine_factory",
 )
 ROOT = Path(__file__).resolve().parents[1]
 MODEL_STACK = ("torch", "transformers", "safetensors", "flashinfer")
@@ -54,3 +55,28 @@ def test_probe_sees_torch_when_the_model_stack_loads() -> None:
 def test_engine_core_imports_without_ray() -> None:
     assert _loaded_after_import(ENGINE_CORE, ("ray", *MODEL_STACK)) == []
     assert _loaded_after_import(("raydix.cluster.ray_executor",), ("ray",)) == ["ray"]
+
+
+def test_the_engine_process_unpickles_the_default_factory_without_ray() -> None:
+    """The replica sends its engine process `build_engine` with its config by cloudpickle; the
+    child's unpickling imports the factory's module, which must not pull in Ray and Serve (about
+    a second of the engine's start on 2 cores; engine_factory.py)."""
+    import functools
+
+    from ray import cloudpickle
+
+    from raydix.deploy.engine_factory import ReplicaSettings, build_engine
+    from raydix.engine.config import EngineConfig, SchedulerConfig
+    from raydix.workers.config import WorkerConfig
+
+    config = EngineConfig(worker=WorkerConfig(model_path="/nowhere"), scheduler=SchedulerConfig())
+    factory = cloudpickle.dumps(functools.partial(build_engine, config, ReplicaSettings()))
+    probe = (
+        "import json, pickle, sys\n"
+        f"factory = pickle.loads({factory!r})\n"
+        "assert factory.func.__module__ == 'raydix.deploy.engine_factory', factory.func\n"
+        f"print(json.dumps([m for m in ('ray', *{list(MODEL_STACK)!r}) if m in sys.modules]))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         check=True)
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == []

@@ -41,6 +41,7 @@ def make_engine(model: Path, event_sink: EventSink | None = None) -> Engine:
     scheduler = SchedulerConfig(max_running_requests=8, max_context_len=512)
     engine = Engine(EngineConfig.build(worker, scheduler), event_sink=event_sink)
     engine.step_hook = lambda s: s.cache.check_integrity()
+    engine.collector_on_in_build = gc.isenabled()  # type: ignore[attr-defined]
     return engine
 
 
@@ -148,6 +149,18 @@ def test_the_start_up_heap_is_frozen(process_engine: ProcessEngine) -> None:
     frozen, walked = asyncio.run(process_engine.call(heap_counts))
     assert frozen > 50_000  # torch's modules alone
     assert walked < frozen / 10
+
+
+def collector_states(engine: Engine) -> tuple[bool, bool]:
+    return engine.collector_on_in_build, gc.isenabled()  # type: ignore[attr-defined]
+
+
+def test_the_build_runs_with_the_collector_paused_and_serving_with_it_on(
+        process_engine: ProcessEngine) -> None:
+    """No automatic collection while the engine is built (workers/gc_heap.py:
+    `collection_paused`), and the collector back on for serving (else reference cycles would
+    never be freed)."""
+    assert asyncio.run(process_engine.call(collector_states)) == (False, True)
 
 
 def test_the_idle_process_populates_its_pool_ahead_of_use(process_engine: ProcessEngine) -> None:
