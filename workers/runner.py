@@ -56,6 +56,7 @@ from .req_table import RequestTable, to_device
 from .sampler import Sampler
 from .sampling_table import SamplingTable
 from .step import SamplingParams, StepPlan, StepResult
+from .vec_isa import settle_vector_isa
 from .warmup import WarmUpResult, warm_up
 
 if TYPE_CHECKING:  # imported lazily: CUDA graphs need CUDA and flashinfer
@@ -94,6 +95,8 @@ class ModelRunner:
         self.decode_graph: CpuDecodeGraph | None = None
         use_graph = config.cpu_decode_graph and self.device.type == "cpu" and wanted(
             self.model, config.kv_pool, config.tp_size)
+        if use_graph:
+            settle_vector_isa()  # before inductor's first compile in this process
         if self.device.type == "cpu" and config.cpu_packed_linear:
             if packing_supported(self.device, dtype):
                 if not use_graph or layers_packed(dtype):  # (native bf16: graph_head.py)
