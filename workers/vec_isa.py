@@ -15,7 +15,8 @@ checks: at later starts with the same key the probe is not run (0.3 s instead of
 finer checks, AVX-512-BF16, VNNI and AMX's permission from Linux, still run, fast). The flag is
 part of inductor's cache key, so it is set in the probing start too, after its probe: every
 start compiles under the same key. Where any ISA failed, nothing is recorded or set, and every
-start probes as inductor does by itself. A value the user gave (`TORCHINDUCTOR_VEC_ISA_OK`) is
+start probes as inductor does by itself; where the record cannot be written (a read-only cache),
+the probing start's answer is used and the next start probes again. A value the user gave (`TORCHINDUCTOR_VEC_ISA_OK`) is
 left alone.
 """
 
@@ -95,9 +96,13 @@ def settle_vector_isa(record_dir: Path | None = None) -> str:
     else:
         passed = [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list()]
         if names and passed == names:
-            _write(record, {**recorded, key: names})
             config.cpp.vec_isa_ok = True
-            message = f"vector ISA check: {', '.join(names)} (probed, recorded)"
+            try:
+                _write(record, {**recorded, key: names})
+                message = f"vector ISA check: {', '.join(names)} (probed, recorded)"
+            except OSError as e:  # a read-only cache: probe again at the next start
+                message = (f"vector ISA check: {', '.join(names)} (probed; not recorded: "
+                           f"{e})")
         else:
             message = (f"vector ISA check: {', '.join(passed) or 'none'} of "
                        f"{', '.join(names) or 'none'} passed inductor's probe (run at every start)")

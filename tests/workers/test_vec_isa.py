@@ -74,6 +74,19 @@ def test_another_compiler_probes_again(tmp_path: Path, monkeypatch: pytest.Monke
     assert len(json.loads((tmp_path / RECORD_NAME).read_text())) == 2  # both keys kept
 
 
+def test_a_record_that_cannot_be_written_leaves_the_start_running(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A read-only cache folder: the probe's answer is used (same key as every start's) and
+    the next start probes again."""
+    probe = Probe(monkeypatch)
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")  # the record's folder would be inside a file: mkdir fails
+    for runs in (1, 2):
+        assert "not recorded" in settle_vector_isa(blocked / "cache")
+        assert probe.runs == runs and config.cpp.vec_isa_ok is True
+        config.cpp.vec_isa_ok = None
+
+
 @pytest.mark.parametrize("users", [True, False])
 def test_a_users_setting_is_left_alone(users: bool, tmp_path: Path,
                                        monkeypatch: pytest.MonkeyPatch) -> None:
