@@ -24,7 +24,7 @@ from pydantic import ValidationError
 from .config import AppConfig
 from .config_file import describe_error, load_yaml
 from .model_path import prepare_in_background
-from .process_tree import descendants, end_all
+from .process_tree import adopt_orphans, descendants, end_all
 
 if TYPE_CHECKING:
     from ray.serve import Application
@@ -115,6 +115,7 @@ def serve_forever(config: AppConfig) -> None:
     from .serve_env import export_for_local_ray, poll_serve_often
 
     _catch_stop_signals()
+    adopt_orphans()  # what Ray starts stays below this process, for `_stop` to end
     poll_serve_often()
     logger.info("preparing the model %s", config.model)
     prepared = prepare_in_background(config)  # the default model is converted once (a progress bar)
@@ -238,6 +239,8 @@ def _stop(config: AppConfig) -> None:
         started = descendants(os.getpid())  # Ray's local processes among them
         ray.shutdown()  # a local instance ends with its processes; a joined one is left
         killed = end_all(started, PROCESS_GRACE_S)
+        # started during the shutdown (kept below this process: adopt_orphans)
+        killed += end_all(descendants(os.getpid()), PROCESS_GRACE_S)
         if killed:
             logger.warning("killed %d processes still running %g s after Ray's shutdown: %s",
                            len(killed), PROCESS_GRACE_S, ", ".join(killed))
