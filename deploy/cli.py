@@ -115,7 +115,6 @@ def serve_forever(config: AppConfig) -> None:
     from .serve_env import export_for_local_ray, poll_serve_often
 
     _catch_stop_signals()
-    adopt_orphans()  # what Ray starts stays below this process, for `_stop` to end
     poll_serve_often()
     logger.info("preparing the model %s", config.model)
     prepared = prepare_in_background(config)  # the default model is converted once (a progress bar)
@@ -127,6 +126,7 @@ def serve_forever(config: AppConfig) -> None:
             os.environ.update(direct_ingress_env(config.port))
         num_cpus = max(os.cpu_count() or 1, local_cpus_needed(config))
         logger.info("starting a local Ray (%d CPUs)", num_cpus)
+        adopt_orphans(True)  # what Ray starts stays below this process, for `_stop` to end
         # "local": a new instance even when another Ray runs on this machine (`ray start`),
         # which `ray.init()` would join instead; `--address auto` joins that one
         ray.init(address="local", num_cpus=num_cpus, include_dashboard=False)
@@ -241,6 +241,8 @@ def _stop(config: AppConfig) -> None:
         killed = end_all(started, PROCESS_GRACE_S)
         # started during the shutdown (kept below this process: adopt_orphans)
         killed += end_all(descendants(os.getpid()), PROCESS_GRACE_S)
+        if config.address is None:
+            adopt_orphans(False)  # (a process that runs the CLI in-process goes on as before)
         if killed:
             logger.warning("killed %d processes still running %g s after Ray's shutdown: %s",
                            len(killed), PROCESS_GRACE_S, ", ".join(killed))

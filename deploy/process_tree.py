@@ -97,14 +97,16 @@ def end_all(processes: Processes, grace_s: float) -> list[str]:
     return [f"{pid} {name}" for pid, (name, _) in left.items()]
 
 
-def adopt_orphans() -> bool:
+def adopt_orphans(adopt: bool = True) -> bool:
     """Make this process the subreaper of everything below it (Linux): a process whose parent
-    ends becomes this process's child, not init's, so `descendants` still finds it. False
-    (logged) where the kernel refuses or this is not Linux."""
+    ends becomes this process's child, not init's, so `descendants` still finds it; with
+    `adopt` False, stop being one. False (logged) where the kernel refuses or this is not
+    Linux."""
     if not Path("/proc").is_dir():
         return False
     try:
-        done = bool(ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0)
+        done = bool(ctypes.CDLL(None, use_errno=True).prctl(
+            PR_SET_CHILD_SUBREAPER, int(adopt), 0, 0, 0) == 0)
     except (OSError, AttributeError) as e:  # no libc prctl
         logger.warning("could not become the subreaper of this server's processes: %s", e)
         return False
