@@ -24,7 +24,7 @@ from pydantic import ValidationError
 from .config import AppConfig
 from .config_file import describe_error, load_yaml
 from .model_path import prepare_in_background
-from .process_tree import adopt_orphans, descendants, end_all
+from .process_tree import descendants, end_all
 
 if TYPE_CHECKING:
     from ray.serve import Application
@@ -126,7 +126,6 @@ def serve_forever(config: AppConfig) -> None:
             os.environ.update(direct_ingress_env(config.port))
         num_cpus = max(os.cpu_count() or 1, local_cpus_needed(config))
         logger.info("starting a local Ray (%d CPUs)", num_cpus)
-        adopt_orphans(True)  # what Ray starts stays below this process, for `_stop` to end
         # "local": a new instance even when another Ray runs on this machine (`ray start`),
         # which `ray.init()` would join instead; `--address auto` joins that one
         ray.init(address="local", num_cpus=num_cpus, include_dashboard=False)
@@ -239,10 +238,6 @@ def _stop(config: AppConfig) -> None:
         started = descendants(os.getpid())  # Ray's local processes among them
         ray.shutdown()  # a local instance ends with its processes; a joined one is left
         killed = end_all(started, PROCESS_GRACE_S)
-        # started during the shutdown (kept below this process: adopt_orphans)
-        killed += end_all(descendants(os.getpid()), PROCESS_GRACE_S)
-        if config.address is None:
-            adopt_orphans(False)  # (a process that runs the CLI in-process goes on as before)
         if killed:
             logger.warning("killed %d processes still running %g s after Ray's shutdown: %s",
                            len(killed), PROCESS_GRACE_S, ", ".join(killed))

@@ -6,30 +6,15 @@ parent's end on their own. Under load a `raydix serve` that exited 0 still had t
 alive. So the server lists every process below it before it shuts Ray down and returns only
 once they have ended: those still alive after a grace period are killed (and named in the log),
 so nothing it started outlives it. Elsewhere than Linux nothing is listed.
-
-A process started while Ray shuts down is not in that list: Ray's dashboard restarts a module
-process whose health check failed, and on a loaded CI machine a `raydix serve` that exited 0
-left the dashboard's module process and two others running. And once its parent ends, such a
-process would be the init process's child, out of reach. So the server makes itself its
-processes' subreaper first (`adopt_orphans`, Linux's PR_SET_CHILD_SUBREAPER): an orphan below it
-becomes its child instead, and after the first wait it lists what is below it again and ends
-that too. An adopted orphan that ends stays a zombie (no memory, one process-table entry) until
-the server exits.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import logging
 import os
 import signal
 import time
 from pathlib import Path
-
-logger = logging.getLogger(__name__)
-
-PR_SET_CHILD_SUBREAPER = 36  # Linux's prctl option
 
 # pid -> (name, start time in clock ticks since boot): a pid reused by a later process has
 # another start time
@@ -95,22 +80,3 @@ def end_all(processes: Processes, grace_s: float) -> list[str]:
     while alive(left) and time.monotonic() < deadline:
         time.sleep(0.05)
     return [f"{pid} {name}" for pid, (name, _) in left.items()]
-
-
-def adopt_orphans(adopt: bool = True) -> bool:
-    """Make this process the subreaper of everything below it (Linux): a process whose parent
-    ends becomes this process's child, not init's, so `descendants` still finds it; with
-    `adopt` False, stop being one. False (logged) where the kernel refuses or this is not
-    Linux."""
-    if not Path("/proc").is_dir():
-        return False
-    try:
-        done = bool(ctypes.CDLL(None, use_errno=True).prctl(
-            PR_SET_CHILD_SUBREAPER, int(adopt), 0, 0, 0) == 0)
-    except (OSError, AttributeError) as e:  # no libc prctl
-        logger.warning("could not become the subreaper of this server's processes: %s", e)
-        return False
-    if not done:
-        logger.warning("could not become the subreaper of this server's processes (errno %d)",
-                       ctypes.get_errno())
-    return done

@@ -48,34 +48,3 @@ def test_a_reused_pid_is_not_the_listed_process() -> None:
     name, start = me
     assert alive({os.getpid(): (name, start)}) == {os.getpid(): (name, start)}
     assert alive({os.getpid(): (name, start + 1)}) == {}  # another start time: not ours
-
-
-# a process that becomes the subreaper (or not), starts a child that starts a grandchild and
-# exits at once, then prints whether the orphaned grandchild is still found below it
-ORPHAN = textwrap.dedent("""
-    import os, subprocess, sys, time
-    from raydix.deploy.process_tree import adopt_orphans, descendants, end_all
-    adopted = adopt_orphans() if sys.argv[1] == "adopt" else False
-    out = subprocess.run([sys.executable, "-c",
-        "import subprocess, sys; print(subprocess.Popen([sys.executable, '-c', "
-        "'import time; time.sleep(60)'], stdout=subprocess.DEVNULL, "
-        "stderr=subprocess.DEVNULL).pid)"],
-        capture_output=True, text=True, check=True)
-    grandchild = int(out.stdout)
-    found = descendants(os.getpid())
-    end_all({grandchild: found[grandchild]} if grandchild in found else {}, grace_s=0.0)
-    if grandchild not in found:
-        os.kill(grandchild, 9)
-    print(adopted, grandchild in found, flush=True)
-""")
-
-
-def test_an_orphan_below_the_subreaper_is_still_found() -> None:
-    """A process whose parent ended is found below the server that adopted orphans, and not
-    below one that did not (it went to init): what `raydix serve`'s stop relies on."""
-    def run(mode: str) -> str:
-        return subprocess.run([sys.executable, "-c", ORPHAN, mode], capture_output=True,
-                              text=True, check=True).stdout.strip()
-
-    assert run("adopt") == "True True"
-    assert run("no") == "False False"
